@@ -1,0 +1,47 @@
+"""Find hooks that other code registered inside a layer.
+
+A hook on a submodule runs once per replica, on that replica's share of the batch,
+possibly in parallel: statistics it gathers would be split or raced. Until a hook's
+effect can be merged exactly, its presence makes the layer run serially.
+Hooks on the layer itself are fine: they run once, on the whole batch, in the
+caller, before the fan-out.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+__all__ = ["foreign_hooks"]
+
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _describe(hook: object) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def foreign_hooks(layer: nn.Module) -> list[str]:
+    """Human-readable descriptions of hooks inside `layer` (its submodules) or global ones."""
+    found = []
+    for name, module in layer.named_modules():
+        if module is layer:
+            continue
+        for hook_dict in _MODULE_HOOK_DICTS:
+            for hook in getattr(module, hook_dict, {}).values():
+                found.append(f"{hook_dict.strip('_')} {_describe(hook)} on {name}")
+    for hook_dict in _GLOBAL_HOOK_DICTS:
+        for hook in getattr(torch_module, hook_dict, {}).values():
+            found.append(f"{hook_dict.strip('_')} {_describe(hook)}")
+    return found

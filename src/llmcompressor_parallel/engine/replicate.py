@@ -1,0 +1,323 @@
+"""Replicas of one layer on other devices, kept in step with the home layer.
+
+A replica is a tree of shallow module copies (torch's `_replicate_for_data_parallel`)
+whose tensors live on the replica's device:
+- frozen tensors (parameters without grad, buffers, plain tensor attributes such as
+  auto-round's `weight_min`) are copied once and copied again only when the home
+  tensor changes (new object, new storage or in-place write) or the module tree
+  changes (auto-round wraps Linears at the start of a layer and unwraps them at
+  the end: the replica is then rebuilt);
+- trainable parameters are copied differentiably on every call, so one backward
+  on the home device sums every replica's gradient into the home parameters.
+  All copies of a call are taken before any worker starts, because auto-round
+  clamps its scale factors in place inside the forward.
+Per-instance attributes that pin a device (`device`, `output_device` strings)
+or bind a method to the home module are re-pointed at the replica (DESIGN.md
+traps 1 and 4). What cannot be re-pointed raises `NotReplicable`, and the caller
+then runs the layer serially, saying why.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import comm
+from torch.nn.parallel._functions import Broadcast
+
+__all__ = ["NotReplicable", "ReplicaSet", "module_device"]
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+class NotReplicable(Exception):
+    """The layer holds something a replica cannot safely reproduce."""
+
+
+def module_device(module: nn.Module) -> torch.device | None:
+    for tensor in _own_and_child_tensors(module):
+        return tensor.device
+    return None
+
+
+def _own_and_child_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    for tensor in module.parameters():
+        yield tensor
+    for tensor in module.buffers():
+        yield tensor
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple:
+    return (id(tensor), tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype)
+
+
+def _is_device_value(value: Any, device: torch.device) -> bool:
+    if isinstance(value, torch.device):
+        return value == device
+    if isinstance(value, str):
+        try:
+            return torch.device(value) == device
+        except RuntimeError:
+            return False
+    return False
+
+
+@dataclass
+class _Slot:
+    """One tensor of the home tree: where it sits and how it is copied."""
+
+    module_index: int
+    kind: str  # "param", "buffer" or "attr"
+    name: str
+    trainable: bool
+
+
+@dataclass
+class _Replica:
+    device: torch.device
+    modules: list[nn.Module] = field(default_factory=list)  # parallel to home modules
+
+
+class ReplicaSet:
+    """Replicas of `home` on `devices`; a device equal to home's reuses home itself.
+
+    `sync()` must be called in the caller's thread before each fan-out; it rebuilds
+    or refreshes what changed and returns which modules run each part.
+    """
+
+    def __init__(self, home: nn.Module, devices: list[torch.device], root_forward: Any):
+        self.home = home
+        self.devices = list(devices)
+        self._root_forward = root_forward  # the forward that replicas of the root run
+        self._structure: tuple | None = None
+        self._home_modules: list[nn.Module] = []
+        self._slots: list[_Slot] = []
+        self._fingerprints: list[tuple] = []
+        self._replicas: list[_Replica | None] = []
+        self.rebuilds = 0
+
+    # ---------------------------------------------------------------- structure
+    def _current_structure(self) -> tuple:
+        entries = []
+        for module in self.home.modules():
+            entries.append(
+                (
+                    id(module),
+                    tuple((name, id(child)) for name, child in module._modules.items()),
+                    tuple(
+                        (name, None if p is None else (id(p), p.requires_grad))
+                        for name, p in module._parameters.items()
+                    ),
+                    tuple((name, id(b)) for name, b in module._buffers.items()),
+                    tuple(
+                        name
+                        for name, value in module.__dict__.items()
+                        if isinstance(value, torch.Tensor)
+                    ),
+                )
+            )
+        return tuple(entries)
+
+    def sync(self) -> None:
+        """Bring every replica up to date with the home layer."""
+        structure = self._current_structure()
+        if structure != self._structure:
+            self._build()
+            self._structure = structure
+            return
+        changed = [
+            index
+            for index, slot in enumerate(self._slots)
+            if not slot.trainable
+            and _fingerprint(self._home_tensor(slot)) != self._fingerprints[index]
+        ]
+        if changed:
+            self._copy_frozen(changed)
+
+    def release(self) -> None:
+        self._replicas = []
+        self._slots = []
+        self._fingerprints = []
+        self._home_modules = []
+        self._structure = None
+
+    # ---------------------------------------------------------------- building
+    def _home_tensor(self, slot: _Slot) -> torch.Tensor:
+        module = self._home_modules[slot.module_index]
+        if slot.kind == "param":
+            return module._parameters[slot.name]
+        if slot.kind == "buffer":
+            return module._buffers[slot.name]
+        return module.__dict__[slot.name]
+
+    def _build(self) -> None:
+        self.rebuilds += 1
+        self._home_modules = list(self.home.modules())
+        home_device = module_device(self.home)
+        self._slots = []
+        for index, module in enumerate(self._home_modules):
+            for name, param in module._parameters.items():
+                if param is not None:
+                    self._slots.append(_Slot(index, "param", name, param.requires_grad))
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    self._slots.append(_Slot(index, "buffer", name, False))
+            for name, value in module.__dict__.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    self._slots.append(_Slot(index, "attr", name, False))
+        used_home = False
+        self._replicas = []
+        for device in self.devices:
+            if not used_home and device == home_device:
+                used_home = True
+                self._replicas.append(None)  # the home layer runs this part itself
+                continue
+            self._replicas.append(self._replicate_structure(device, home_device))
+        self._fingerprints = [() for _ in self._slots]
+        self._copy_frozen([i for i, slot in enumerate(self._slots) if not slot.trainable])
+
+    def _replicate_structure(self, device: torch.device, home_device: torch.device | None) -> _Replica:
+        mapping: dict[int, nn.Module] = {}
+        replica = _Replica(device)
+        for module in self._home_modules:
+            copy = module._replicate_for_data_parallel()
+            for hook_dict in _HOOK_DICTS:
+                if hasattr(copy, hook_dict):
+                    setattr(copy, hook_dict, type(getattr(module, hook_dict))())
+            mapping[id(module)] = copy
+            replica.modules.append(copy)
+        for module, copy in zip(self._home_modules, replica.modules):
+            copy._modules = {
+                name: None if child is None else mapping[id(child)]
+                for name, child in module._modules.items()
+            }
+            for name, value in list(copy.__dict__.items()):
+                if module is self.home and name == "forward":
+                    continue  # the root's forward is set below
+                copy.__dict__[name] = self._repoint(module, name, value, mapping, device, home_device)
+            copy._parameters = {
+                name: None for name, value in module._parameters.items() if value is None
+            }
+        root = replica.modules[0]
+        forward = self._root_forward
+        if forward is None:
+            root.__dict__.pop("forward", None)
+        else:
+            root.__dict__["forward"] = self._repoint(self.home, "forward", forward, mapping, device, home_device)
+        return replica
+
+    def _repoint(
+        self,
+        module: nn.Module,
+        name: str,
+        value: Any,
+        mapping: dict[int, nn.Module],
+        device: torch.device,
+        home_device: torch.device | None,
+    ) -> Any:
+        if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+            target = mapping.get(id(value.__self__))
+            if target is None:
+                raise NotReplicable(
+                    f"{type(module).__name__}.{name} is a method bound to a module "
+                    "outside the layer"
+                )
+            return types.MethodType(value.__func__, target)
+        if name == "forward" and value is not None:
+            raise NotReplicable(
+                f"{type(module).__name__}.forward was replaced by {value!r} "
+                "(an offloading or hook wrapper), which a replica cannot re-point"
+            )
+        if home_device is not None and _is_device_value(value, home_device):
+            return device if isinstance(value, torch.device) else str(device)
+        return value
+
+    def _copy_frozen(self, slot_indices: list[int]) -> None:
+        """Copy the given frozen home tensors to every replica (coalesced on GPUs)."""
+        home = [self._home_tensor(self._slots[i]) for i in slot_indices]
+        for replica in self._replicas:
+            if replica is None:
+                continue
+            copies = _copy_detached(home, replica.device)
+            for index, copy in zip(slot_indices, copies):
+                self._install(replica, self._slots[index], copy)
+        for index, tensor in zip(slot_indices, home):
+            self._fingerprints[index] = _fingerprint(tensor)
+
+    @staticmethod
+    def _install(replica: _Replica, slot: _Slot, tensor: torch.Tensor) -> None:
+        module = replica.modules[slot.module_index]
+        if slot.kind == "param":
+            module._parameters[slot.name] = tensor
+        elif slot.kind == "buffer":
+            module._buffers[slot.name] = tensor
+        else:
+            module.__dict__[slot.name] = tensor
+
+    # ---------------------------------------------------------------- per call
+    def install_trainable_copies(self, parts: int) -> None:
+        """Give the first `parts` replicas fresh differentiable copies of the trainables.
+
+        Runs in the caller's thread, before any worker starts.
+        """
+        trainable = [slot for slot in self._slots if slot.trainable]
+        if not trainable:
+            return
+        params = [self._home_tensor(slot) for slot in trainable]
+        targets = [r for r in self._replicas[:parts] if r is not None]
+        for replica, copies in zip(targets, _copy_differentiable(params, [r.device for r in targets])):
+            for slot, copy in zip(trainable, copies):
+                self._install(replica, slot, copy)
+
+    def root_for(self, part: int) -> nn.Module | None:
+        """The replica root that runs part `part`, or None where home runs it."""
+        replica = self._replicas[part]
+        return None if replica is None else replica.modules[0]
+
+
+def _all_cuda(tensors: list[torch.Tensor], devices: list[torch.device]) -> bool:
+    return all(t.is_cuda for t in tensors) and all(d.type == "cuda" for d in devices)
+
+
+def _copy_detached(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    if not tensors:
+        return []
+    with torch.no_grad():
+        source = tensors[0].device
+        if _all_cuda(tensors, [device]) and all(t.device == source for t in tensors) and source != device:
+            return list(comm.broadcast_coalesced([t.detach() for t in tensors], [source, device])[1])
+        return [t.detach().to(device, copy=True) for t in tensors]
+
+
+def _copy_differentiable(
+    params: list[torch.Tensor], devices: list[torch.device]
+) -> list[list[torch.Tensor]]:
+    """Differentiable copies of `params` for each device, coalesced where torch can."""
+    if not devices:
+        return []
+    source = params[0].device
+    remote = [d for d in devices if d != source]
+    if (
+        len(remote) == len(devices)
+        and _all_cuda(params, devices)
+        and all(p.device == source for p in params)
+    ):
+        flat = Broadcast.apply(devices, *params)
+        count = len(params)
+        return [list(flat[i * count : (i + 1) * count]) for i in range(len(devices))]
+    return [[p.to(device, copy=True) for p in params] for device in devices]

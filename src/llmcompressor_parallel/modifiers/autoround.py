@@ -1,0 +1,145 @@
+"""DataParallelAutoRoundModifier: stock AutoRound, each layer's work fanned out.
+
+The stock modifier and auto-round's tuning loop run unchanged. While auto-round
+works on a layer (`quantize_block`: reference outputs, SignRound iterations,
+quantized-input chain), the layer's forward is a `FanOut` over the worker pool,
+so every batch of every pass is split over the replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Literal
+
+import torch
+from loguru import logger
+from pydantic import PrivateAttr, field_validator
+from torch import nn
+
+import llmcompressor.modifiers.autoround.base as stock_autoround
+from llmcompressor.core import Event, State
+from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
+from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
+from llmcompressor_parallel.modifiers.layer_safety import restore_children_on_error
+from llmcompressor_parallel.modifiers.pipeline_compat import disable_error_propagation
+
+__all__ = ["DataParallelAutoRoundModifier"]
+
+ParallelBatch = Literal["split", "per_replica"]
+_PARALLEL_BATCH_VALUES = ("split", "per_replica")
+
+
+class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
+    """AutoRoundModifier whose per-layer work runs data-parallel over replicas.
+
+    Every stock field works as in `AutoRoundModifier`. Added:
+
+    :param data_parallel: "off" (default: exactly the stock modifier), "auto" (all
+        visible GPUs), an int N >= 2 (cuda:0..N-1) or a list of device strings
+        (["cuda:0", "cuda:2"], or ["cpu", "cpu"] for testing without a GPU)
+    :param parallel_batch: "split" (default: `batch_size` stays the global batch of
+        an iteration and is split over the replicas) or "per_replica" (each replica
+        gets `batch_size` samples; the global batch is N x `batch_size`)
+    """
+
+    parallel_batch: ParallelBatch = "split"
+
+    _devices: list[torch.device] | None = PrivateAttr(default=None)
+    _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
+
+    @field_validator("parallel_batch", mode="before")
+    @classmethod
+    def _check_parallel_batch(cls, value: Any) -> str:
+        if value not in _PARALLEL_BATCH_VALUES:
+            raise ValueError(
+                f"parallel_batch={value!r} is not valid; allowed values: "
+                + ", ".join(repr(v) for v in _PARALLEL_BATCH_VALUES)
+            )
+        return value
+
+    # ------------------------------------------------------------ lifecycle
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        self._devices = self.resolve_parallel_devices()
+        if self._devices is not None and self.parallel_batch == "per_replica":
+            logger.info(
+                "parallel_batch='per_replica': global batch is {} x {} = {} samples",
+                len(self._devices),
+                self.batch_size,
+                len(self._devices) * self.batch_size,
+            )
+        return super().on_initialize(state, **kwargs)
+
+    def on_calibration_start(self, state: State, event: Event, **kwargs):
+        super().on_calibration_start(state, event, **kwargs)
+        disable_error_propagation()
+        if self._devices is not None and self._pool is None:
+            self._pool = DeviceWorkerPool(self._devices)
+
+    def apply_autoround(self, state: State, modules: list[nn.Module]):
+        if self._pool is None:
+            return super().apply_autoround(state, modules)
+        layers = [m for m in (modules or []) if self._is_decoding_layer(m)]
+        try:
+            with restore_children_on_error(layers), self._fan_out_quantize_block():
+                return super().apply_autoround(state, modules)
+        except BaseException:
+            self.close_workers()
+            raise
+
+    def on_calibration_end(self, state: State, event: Event, **kwargs):
+        self.close_workers()
+        super().on_calibration_end(state, event, **kwargs)
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        self.close_workers()
+        return super().on_finalize(state, **kwargs)
+
+    def close_workers(self) -> None:
+        """Stop the worker threads (idempotent)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    # ------------------------------------------------------------ the fan-out
+    @contextlib.contextmanager
+    def _fan_out_quantize_block(self) -> Iterator[None]:
+        """Within the stock `apply_autoround`, fan out each `quantize_block` call.
+
+        The stock method builds its `AutoRound` and suspends compressed-tensors'
+        offloading (which resets instance forwards) before calling quantize_block,
+        so the fan-out is installed around that call (DESIGN.md trap 1).
+        """
+        real_factory = stock_autoround.AutoRound
+        modifier = self
+
+        def parallel_autoround(*args: Any, **kwargs: Any) -> Any:
+            compile_replicas = bool(kwargs.get("enable_torch_compile"))
+            kwargs["enable_torch_compile"] = False  # never compile the fan-out itself
+            if modifier.parallel_batch == "per_replica":
+                kwargs["batch_size"] = modifier.batch_size * len(modifier._pool.devices)
+            autoround = real_factory(*args, **kwargs)
+            quantize_block = autoround.quantize_block
+
+            def fanned_quantize_block(block: nn.Module, *q_args: Any, **q_kwargs: Any):
+                name = getattr(block, "_tmp_name", type(block).__name__)
+                with FanOut(block, modifier._pool, name, compile_replicas) as fan_out:
+                    result = quantize_block(block, *q_args, **q_kwargs)
+                logger.info(
+                    "{}: {} of {} layer calls ran data-parallel on {}",
+                    name,
+                    fan_out.parallel_calls,
+                    fan_out.calls,
+                    ", ".join(str(d) for d in modifier._pool.devices),
+                )
+                return result
+
+            autoround.quantize_block = fanned_quantize_block
+            return autoround
+
+        stock_autoround.AutoRound = parallel_autoround
+        try:
+            yield
+        finally:
+            stock_autoround.AutoRound = real_factory
