@@ -35,17 +35,20 @@ SEED = 0
 EOS_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 4096
 SEQ_LEN = 256
-BATCH_SIZE = 16
-STEPS = 500
-WARMUP_STEPS = 50
+BATCH_SIZE = 8
+STEPS = 1000
+WARMUP_STEPS = 100
 PEAK_LR = 2e-3
 MIN_LR_RATIO = 0.1
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
-EVAL_EVERY = 100
-EVAL_BATCHES = 4
+EVAL_EVERY = 200
+EVAL_BATCHES = 8
+LOG_EVERY = 20
 MAX_SIZE_BYTES = 20 * 1000 * 1000
-SAMPLE_PROMPTS = ("def ", "import ", "class ")
+# No trailing spaces: byte-level BPE attaches a space to the word after it, so a
+# prompt ending in a bare space starts from a token the model has rarely seen.
+SAMPLE_PROMPTS = ("def", "def get_", "def __init__(self")
 # Linear layers take hidden_size, num_attention_heads * head_dim or
 # moe_intermediate_size inputs; all must be multiples of the quantization group.
 QUANT_GROUP_SIZE = 128
@@ -139,17 +142,25 @@ def learning_rate(step: int) -> float:
 def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
     """Mean language-modelling loss (without the router loss) on fixed held-out batches."""
     model.eval()
-    losses = [model(input_ids=batch, labels=batch, output_router_logits=False).loss.item() for batch in batches]
+    losses = [
+        model(input_ids=batch, labels=batch, output_router_logits=False).loss.item()
+        for batch in batches
+    ]
     model.train()
     return sum(losses) / len(losses)
 
 
-def train(model: PreTrainedModel, train_stream: torch.Tensor, heldout_batches: list[torch.Tensor]) -> float:
+def train(
+    model: PreTrainedModel, train_stream: torch.Tensor, heldout_batches: list[torch.Tensor]
+) -> float:
     """Run STEPS AdamW steps; returns the mean training loss over the last EVAL_EVERY steps."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=PEAK_LR,
         betas=(0.9, 0.95),
     )
@@ -168,10 +179,12 @@ def train(model: PreTrainedModel, train_stream: torch.Tensor, heldout_batches: l
         # output.loss includes the router loss; report the language-modelling part.
         lm_loss = output.loss.item() - model.config.router_aux_loss_coef * output.aux_loss.item()
         recent_losses = (recent_losses + [lm_loss])[-EVAL_EVERY:]
-        if step % 10 == 0 or step == STEPS - 1:
-            print(f"step {step:4d}  lr {learning_rate(step):.2e}  train loss {lm_loss:.3f}", flush=True)
+        if step % LOG_EVERY == 0 or step == STEPS - 1:
+            lr = learning_rate(step)
+            print(f"step {step:4d}  lr {lr:.2e}  train loss {lm_loss:.3f}", flush=True)
         if (step + 1) % EVAL_EVERY == 0:
-            print(f"step {step:4d}  held-out loss {evaluate(model, heldout_batches):.3f}", flush=True)
+            heldout_loss = evaluate(model, heldout_batches)
+            print(f"step {step:4d}  held-out loss {heldout_loss:.3f}", flush=True)
     return sum(recent_losses) / len(recent_losses)
 
 
@@ -190,14 +203,20 @@ def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Pa
     tokenizer.save_pretrained(out_dir)
     size = folder_size(out_dir)
     if size > MAX_SIZE_BYTES:
-        raise RuntimeError(f"demo model is {size / 1e6:.1f} MB, over the {MAX_SIZE_BYTES / 1e6:.0f} MB budget")
+        raise RuntimeError(
+            f"demo model is {size / 1e6:.1f} MB, over the {MAX_SIZE_BYTES / 1e6:.0f} MB budget"
+        )
     return size
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=demo_model_path(), help="where to save the model")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (fixed for reproducibility)")
+    parser.add_argument(
+        "--out-dir", type=Path, default=demo_model_path(), help="where to save the model"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (fixed for reproducibility)"
+    )
     return parser.parse_args()
 
 
@@ -213,10 +232,13 @@ def main() -> None:
     heldout_stream = tokenize_corpus(tokenizer, heldout_texts)
     print(
         f"{len(train_texts)} train files ({len(train_stream):,} tokens), "
-        f"{len(heldout_texts)} held-out files ({len(heldout_stream):,} tokens), vocab {len(tokenizer)}"
+        f"{len(heldout_texts)} held-out files ({len(heldout_stream):,} tokens), "
+        f"vocab {len(tokenizer)}"
     )
     heldout_generator = torch.Generator().manual_seed(SEED + 1)
-    heldout_batches = [sample_batch(heldout_stream, heldout_generator) for _ in range(EVAL_BATCHES)]
+    heldout_batches = [
+        sample_batch(heldout_stream, heldout_generator) for _ in range(EVAL_BATCHES)
+    ]
 
     model = AutoModelForCausalLM.from_config(build_config(tokenizer))
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
@@ -226,11 +248,12 @@ def main() -> None:
 
     size = save(model, tokenizer, args.out_dir)
     print(f"final train loss (mean of last {EVAL_EVERY} steps) {final_loss:.3f}")
-    print(f"saved to {args.out_dir} ({size / 1e6:.2f} MB) after {train_seconds:.0f} s")
+    print(f"trained in {train_seconds:.0f} s; saved to {args.out_dir} ({size / 1e6:.2f} MB)")
 
     reloaded = AutoModelForCausalLM.from_pretrained(args.out_dir)
     for prompt in SAMPLE_PROMPTS:
-        print(f"--- sample for {prompt!r}:\n{generate(reloaded, tokenizer, prompt, max_new_tokens=48)}")
+        sample = generate(reloaded, tokenizer, prompt, max_new_tokens=48)
+        print(f"--- greedy sample for {prompt!r}:\n{sample}")
 
 
 if __name__ == "__main__":

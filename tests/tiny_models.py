@@ -90,3 +90,26 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' pack-quantized int32 words -> one int per 4-bit value."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
+
+
+def decoder_layer_and_inputs(device: str = "cpu", batch: int = 5, seq_len: int = 16):
+    """A dense decoder layer with two trainable weights, and kwargs for one call.
+
+    The attention mask is per sample (split over replicas); the rotary embeddings
+    have batch 1 (copied to every replica).
+    """
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    config = dense_config()
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).to(device)
+    for param in layer.parameters():
+        param.requires_grad_(False)
+    layer.mlp.up_proj.weight.requires_grad_(True)
+    layer.self_attn.q_proj.weight.requires_grad_(True)
+    hidden = torch.randn(batch, seq_len, config.hidden_size, device=device)
+    positions = torch.arange(seq_len, device=device)[None]
+    position_embeddings = LlamaRotaryEmbedding(config).to(device)(hidden, positions)
+    mask = torch.full((batch, 1, seq_len, seq_len), float("-inf"), device=device).triu(1)
+    return layer, dict(hidden_states=hidden, position_embeddings=position_embeddings, attention_mask=mask)

@@ -109,9 +109,11 @@ def _token_windows(
     for text in texts:
         buffer.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         buffer.append(tokenizer.eos_token_id)
-        while len(buffer) >= seq_len:
-            yield buffer[:seq_len]
-            buffer = buffer[seq_len:]
+        start = 0
+        while len(buffer) - start >= seq_len:
+            yield buffer[start : start + seq_len]
+            start += seq_len
+        del buffer[:start]
 
 
 def calibration_dataset(

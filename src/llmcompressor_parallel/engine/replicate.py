@@ -26,7 +26,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.nn.parallel import comm
-from torch.nn.parallel._functions import Broadcast
 
 __all__ = ["NotReplicable", "ReplicaSet", "module_device"]
 
@@ -69,7 +68,7 @@ def _fingerprint(tensor: torch.Tensor) -> tuple:
 def _is_device_value(value: Any, device: torch.device) -> bool:
     if isinstance(value, torch.device):
         return value == device
-    if isinstance(value, str):
+    if isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda"):
         try:
             return torch.device(value) == device
         except RuntimeError:
@@ -304,20 +303,45 @@ def _copy_detached(tensors: list[torch.Tensor], device: torch.device) -> list[to
         return [t.detach().to(device, copy=True) for t in tensors]
 
 
+class _BroadcastToReplicas(torch.autograd.Function):
+    """Copies of tensors for other devices; backward sums the copies' gradients at the source.
+
+    On GPUs the copies are coalesced (torch.cuda.comm). torch's own `Broadcast` also
+    returns the source device's group, whose unused gradients would be materialised
+    as zeros and added every iteration; this one returns only the targets' copies.
+    """
+
+    @staticmethod
+    def forward(ctx, targets: list[torch.device], *tensors: torch.Tensor):
+        ctx.source = tensors[0].device
+        ctx.count = len(tensors)
+        if _all_cuda(list(tensors), targets) and all(t != ctx.source for t in targets):
+            groups = comm.broadcast_coalesced(tensors, [ctx.source, *targets])[1:]
+        else:
+            groups = [[t.to(device, copy=True) for t in tensors] for device in targets]
+        return tuple(copy for group in groups for copy in group)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        summed = []
+        for index in range(ctx.count):
+            total = None
+            for grad in grads[index :: ctx.count]:
+                if grad is not None:
+                    grad = grad.to(ctx.source)
+                    total = grad if total is None else total + grad
+            summed.append(total)
+        return (None, *summed)
+
+
 def _copy_differentiable(
     params: list[torch.Tensor], devices: list[torch.device]
 ) -> list[list[torch.Tensor]]:
-    """Differentiable copies of `params` for each device, coalesced where torch can."""
+    """Differentiable copies of `params` (all on one device) for each of `devices`."""
     if not devices:
         return []
-    source = params[0].device
-    remote = [d for d in devices if d != source]
-    if (
-        len(remote) == len(devices)
-        and _all_cuda(params, devices)
-        and all(p.device == source for p in params)
-    ):
-        flat = Broadcast.apply(devices, *params)
-        count = len(params)
-        return [list(flat[i * count : (i + 1) * count]) for i in range(len(devices))]
-    return [[p.to(device, copy=True) for p in params] for device in devices]
+    if any(p.device != params[0].device for p in params):
+        return [[p.to(device, copy=True) for p in params] for device in devices]
+    flat = _BroadcastToReplicas.apply(devices, *params)
+    count = len(params)
+    return [list(flat[i * count : (i + 1) * count]) for i in range(len(devices))]

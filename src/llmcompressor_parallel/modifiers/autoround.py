@@ -22,7 +22,7 @@ from llmcompressor.modifiers.autoround import AutoRoundModifier
 
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
 from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
-from llmcompressor_parallel.modifiers.layer_safety import restore_children_on_error
+from llmcompressor_parallel.modifiers.layer_safety import restore_layer_on_error
 from llmcompressor_parallel.modifiers.pipeline_compat import disable_error_propagation
 
 __all__ = ["DataParallelAutoRoundModifier"]
@@ -42,9 +42,16 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     :param parallel_batch: "split" (default: `batch_size` stays the global batch of
         an iteration and is split over the replicas) or "per_replica" (each replica
         gets `batch_size` samples; the global batch is N x `batch_size`)
+    :param keep_cache_on_gpu: keep auto-round's per-layer caches (captured inputs,
+        reference outputs, best parameters) on the layer's GPU instead of in host
+        memory, where stock keeps them (`low_gpu_mem_usage=True`). Same numbers;
+        removes the host copies that every tuning iteration otherwise makes in
+        turn, which bound the speed-up of the fan-out. None (default): on when the
+        layer runs data-parallel, off otherwise (stock).
     """
 
     parallel_batch: ParallelBatch = "split"
+    keep_cache_on_gpu: bool | None = None
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -56,6 +63,15 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             raise ValueError(
                 f"parallel_batch={value!r} is not valid; allowed values: "
                 + ", ".join(repr(v) for v in _PARALLEL_BATCH_VALUES)
+            )
+        return value
+
+    @field_validator("keep_cache_on_gpu", mode="before")
+    @classmethod
+    def _check_keep_cache_on_gpu(cls, value: Any) -> bool | None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(
+                f"keep_cache_on_gpu={value!r} is not valid; allowed values: None, True, False"
             )
         return value
 
@@ -77,12 +93,17 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
 
+    def _keeps_cache_on_gpu(self) -> bool:
+        if self.keep_cache_on_gpu is None:
+            return self._pool is not None
+        return self.keep_cache_on_gpu
+
     def apply_autoround(self, state: State, modules: list[nn.Module]):
-        if self._pool is None:
+        if self._pool is None and not self._keeps_cache_on_gpu():
             return super().apply_autoround(state, modules)
         layers = [m for m in (modules or []) if self._is_decoding_layer(m)]
         try:
-            with restore_children_on_error(layers), self._fan_out_quantize_block():
+            with restore_layer_on_error(layers), self._adapted_autoround():
                 return super().apply_autoround(state, modules)
         except BaseException:
             self.close_workers()
@@ -104,17 +125,22 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
 
     # ------------------------------------------------------------ the fan-out
     @contextlib.contextmanager
-    def _fan_out_quantize_block(self) -> Iterator[None]:
-        """Within the stock `apply_autoround`, fan out each `quantize_block` call.
+    def _adapted_autoround(self) -> Iterator[None]:
+        """Within the stock `apply_autoround`, adapt the `AutoRound` it builds.
 
-        The stock method builds its `AutoRound` and suspends compressed-tensors'
-        offloading (which resets instance forwards) before calling quantize_block,
-        so the fan-out is installed around that call (DESIGN.md trap 1).
+        Sets the cache placement, and fans out each `quantize_block` call: the stock
+        method builds its `AutoRound` and suspends compressed-tensors' offloading
+        (which resets instance forwards) before calling quantize_block, so the
+        fan-out is installed around that call (DESIGN.md trap 1).
         """
         real_factory = stock_autoround.AutoRound
         modifier = self
 
-        def parallel_autoround(*args: Any, **kwargs: Any) -> Any:
+        def adapted_autoround(*args: Any, **kwargs: Any) -> Any:
+            if modifier._keeps_cache_on_gpu():
+                kwargs["low_gpu_mem_usage"] = False
+            if modifier._pool is None:
+                return real_factory(*args, **kwargs)
             compile_replicas = bool(kwargs.get("enable_torch_compile"))
             kwargs["enable_torch_compile"] = False  # never compile the fan-out itself
             if modifier.parallel_batch == "per_replica":
@@ -138,7 +164,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             autoround.quantize_block = fanned_quantize_block
             return autoround
 
-        stock_autoround.AutoRound = parallel_autoround
+        stock_autoround.AutoRound = adapted_autoround
         try:
             yield
         finally:

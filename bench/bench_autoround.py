@@ -1,0 +1,123 @@
+"""Stock AutoRoundModifier on 1 GPU vs DataParallelAutoRoundModifier on N GPUs, one run.
+
+Random-weight layers at real shapes (Llama-3-8B dense, Qwen3-30B-A3B MoE), the same
+calibration tokens for every configuration. Prints one JSON line per configuration
+(per-layer time, speedup over stock, per-phase times, final block losses, peak
+memory per GPU, agreement of the saved checkpoint with stock) and writes a PNG.
+
+    python bench/bench_autoround.py --shapes llama3-8b qwen3-30b-a3b --gpus 2 4 \
+        --samples 128 --seq-len 2048 --iters 50 --out bench/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+
+import llmcompressor_parallel  # noqa: E402,F401
+from llmcompressor import oneshot  # noqa: E402
+from llmcompressor.modifiers.autoround import AutoRoundModifier  # noqa: E402
+from llmcompressor_parallel import DataParallelAutoRoundModifier  # noqa: E402
+from phases import PhaseTimer, autoround_phases  # noqa: E402
+from report import emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
+from shapes import random_tokens, save_random_model  # noqa: E402
+
+
+def _modifier(gpus: int, args: argparse.Namespace, keep_cache: bool = False):
+    common = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"],
+                  iters=args.iters, batch_size=args.batch_size, enable_torch_compile=False)
+    if gpus == 1:
+        return AutoRoundModifier(**common)
+    return DataParallelAutoRoundModifier(data_parallel=["cpu"] * gpus if args.cpu else gpus,
+                                         keep_cache_on_gpu=keep_cache, **common)
+
+
+def _run(model_dir: Path, gpus: int, args: argparse.Namespace, save_dir: Path | None,
+         keep_cache: bool = False) -> tuple[PhaseTimer, float]:
+    timer = PhaseTimer()
+    reset_peak_memory()
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with autoround_phases(timer):
+        oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
+                recipe=_modifier(gpus, args, keep_cache), num_calibration_samples=args.samples,
+                max_seq_length=args.seq_len, output_dir=str(save_dir) if save_dir else None)
+    return timer, time.perf_counter() - start
+
+
+def _agreement(stock_dir: Path, ours_dir: Path) -> dict:
+    from oneshot_runs import compare_checkpoints
+    from tiny_models import load_saved_tensors
+
+    return compare_checkpoints(load_saved_tensors(stock_dir), load_saved_tensors(ours_dir))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"])
+    parser.add_argument("--gpus", nargs="+", type=int, default=[2])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--work", default=None, help="folder for models and checkpoints")
+    parser.add_argument("--keep-cache-on-gpu", action="store_true",
+                        help="also run ours with keep_cache_on_gpu=True")
+    parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="llmc-bench-"))
+    records = []
+    for shape in args.shapes:
+        model_dir = save_random_model(shape, args.layers, work / shape)
+        stock_seconds = None
+        configs = [(1, False), *[(g, False) for g in args.gpus]]
+        if args.keep_cache_on_gpu:
+            configs += [(g, True) for g in args.gpus]
+        for gpus, keep_cache in configs:
+            if not args.cpu and gpus > torch.cuda.device_count():
+                emit({"shape": shape, "config": f"ours-{gpus}gpu", "skipped": "not enough GPUs"}, out)
+                continue
+            name = "stock-1gpu" if gpus == 1 else f"ours-{gpus}gpu" + ("-gpucache" if keep_cache else "")
+            save_dir = work / f"{shape}-{name}"
+            timer, total = _run(model_dir, gpus, args, save_dir, keep_cache)
+            layer = timer.layers[-1]  # the last layer: warm, steady state
+            seconds = layer["capture"] + layer["layer_work"]
+            record = {
+                "bench": "autoround", "shape": shape, "config": name,
+                "gpus": gpus, "samples": args.samples, "seq_len": args.seq_len, "iters": args.iters,
+                "seconds_per_layer": round(seconds, 3),
+                "phases": {k: round(v, 3) for k, v in layer.items()},
+                "all_layers": [{k: round(v, 3) for k, v in l.items()} for l in timer.layers],
+                "block_losses": timer.losses, "total_seconds": round(total, 1),
+                "peak_memory_gib": peak_memory_gib(),
+            }
+            if gpus == 1:
+                stock_seconds, stock_tuning = seconds, layer.get("tuning", 0.0)
+            else:
+                record["speedup"] = round(stock_seconds / seconds, 3)
+                record["tuning_speedup"] = round(stock_tuning / max(layer.get("tuning", 1e-9), 1e-9), 3)
+                record["parallel_efficiency"] = round(record["tuning_speedup"] / gpus, 3)
+                record["vs_stock_checkpoint"] = _agreement(work / f"{shape}-stock-1gpu", save_dir)
+            emit(record, out)
+            records.append(record)
+            gc.collect()
+            torch.cuda.empty_cache()
+    plot([r for r in records if "seconds_per_layer" in r], out / "autoround.png",
+         f"AutoRound W4A16, {args.samples}x{args.seq_len} tokens, iters={args.iters}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Per-phase wall times of a oneshot() run, measured by wrapping library functions.
+
+Phases of each decoder layer: `capture` (the pipeline's calibration forwards that
+record the layer inputs), `reference` (auto-round's no-grad pass for the float
+outputs), `tuning` (the SignRound loop), `quantized_input` (the no-grad pass through
+the quantized layer); for GPTQ: `calibration`, `updates`, `propagation`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Callable, Iterator
+
+import torch
+
+from oneshot_runs import block_losses
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.layers: list[dict[str, float]] = []
+        self.losses: list[tuple[float, float]] = []
+        self._current: dict[str, float] = defaultdict(float)
+        self._mark = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self._current[phase] += seconds
+
+    def close_layer(self) -> None:
+        self.layers.append(dict(self._current))
+        self._current = defaultdict(float)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        _sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync()
+            self.add(phase, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
+    from auto_round.algorithms.block_runner import BlockForwardRunner
+    from auto_round.algorithms.quantization.sign_round import quantizer as quantizer_module
+    from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+    full_passes = {"count": 0}
+
+    def forward(original):
+        def wrapper(self, block, inputs, input_others, indices=None, cache_device=None):
+            if indices is not None:
+                with timer.timed("tuning.forward"):
+                    return original(self, block, inputs, input_others, indices, cache_device)
+            phase = "reference" if full_passes["count"] % 2 == 0 else "quantized_input"
+            full_passes["count"] += 1
+            with timer.timed(phase):
+                return original(self, block, inputs, input_others, indices, cache_device)
+        return wrapper
+
+    def timed_as(phase: str):
+        def make(original):
+            def wrapper(*args, **kwargs):
+                with timer.timed(phase):
+                    return original(*args, **kwargs)
+            return wrapper
+        return make
+
+    def epoch_end(original):
+        def wrapper(self, *args, **kwargs):
+            _sync()
+            timer.add("capture", time.perf_counter() - timer._mark)
+            with timer.timed("layer_work"):
+                result = original(self, *args, **kwargs)
+            timer.close_layer()
+            timer._mark = time.perf_counter()
+            return result
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        timer.losses = stack.enter_context(block_losses())
+        stack.enter_context(_patched(BlockForwardRunner, "forward", forward))
+        stack.enter_context(_patched(SignRoundQuantizer, "quantize_block", timed_as("tuning")))
+        stack.enter_context(
+            _patched(SignRoundQuantizer, "_scale_loss_and_backward", timed_as("tuning.backward"))
+        )
+        stack.enter_context(_patched(SignRoundQuantizer, "_step", timed_as("tuning.step")))
+        stack.enter_context(
+            _patched(quantizer_module, "collect_best_params", timed_as("tuning.best_params"))
+        )
+        stack.enter_context(_patched(AutoRoundModifier, "on_sequential_epoch_end", epoch_end))
+        timer._mark = time.perf_counter()
+        yield

@@ -1,0 +1,326 @@
+"""ParallelGPTQExpertModifier's update pool on CPU devices: same bits as stock GPTQ.
+
+Stock GPTQModifier and ours run through `oneshot()` on tiny models built from
+config; every saved tensor must be equal. Calibration samples are not shuffled:
+stock's shuffle draws from the global torch RNG, and the Hessians are sums in
+sample order, so two stock runs in one process differ unless the order is fixed.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loguru import logger
+from transformers import AutoModelForCausalLM
+
+from llmcompressor import oneshot
+from llmcompressor.modifiers.gptq import GPTQModifier
+
+import llmcompressor_parallel.engine.update_pool as update_pool
+import llmcompressor_parallel.modifiers.gptq as parallel_gptq
+from llmcompressor_parallel.engine.update_pool import UpdateJob, run_update_jobs
+from llmcompressor_parallel.engine.worker_pool import (
+    DeviceWorkerPool,
+    ReplicaError,
+    live_worker_threads,
+)
+from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
+from tiny_models import calibration_data, load_saved_tensors, save_tiny_model
+
+MOE_ARGS = dict(targets="Linear", scheme="W4A16", ignore=["lm_head"], batched_quantization=4)
+NVFP4_ARGS = dict(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"], batched_quantization=3)
+DENSE_ARGS = dict(targets="Linear", scheme="W8A16", ignore=["lm_head"], actorder="weight")
+
+
+# ---------------------------------------------------------------- helpers
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """CPU "devices" are worker threads: with several OpenMP threads each on 2 cores,
+    spin-waiting teams oversubscribe the machine and a tiny run can take a minute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gptq_models")
+    return {kind: save_tiny_model(kind, root / kind) for kind in ("dense", "moe")}
+
+
+def run_oneshot(model: Any, recipe: Any, output_dir: Path | None = None) -> None:
+    oneshot(
+        model=model,
+        dataset=calibration_data(),
+        recipe=recipe,
+        num_calibration_samples=16,
+        max_seq_length=32,
+        shuffle_calibration_samples=False,
+        output_dir=None if output_dir is None else str(output_dir),
+    )
+
+
+def quantize(
+    model_dir: Path, recipe: Any, out: Path
+) -> tuple[dict[str, torch.Tensor], float]:
+    start = time.perf_counter()
+    run_oneshot(str(model_dir), recipe, out)
+    return load_saved_tensors(out), time.perf_counter() - start
+
+
+_STOCK: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def stock(model_dirs: dict[str, Path], tmp_path: Path, kind: str, args: dict) -> dict:
+    """Stock GPTQ's checkpoint for (kind, args), computed once per test module."""
+    key = f"{kind}:{sorted(args.items())}"
+    if key not in _STOCK:
+        tensors, seconds = quantize(model_dirs[kind], GPTQModifier(**args), tmp_path / "stock")
+        print(f"stock GPTQModifier {kind} {args['scheme']}: {seconds:.2f} s")
+        _STOCK[key] = tensors
+    return _STOCK[key]
+
+
+def assert_identical(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    different = [name for name in expected if not torch.equal(expected[name], actual[name])]
+    print(f"{len(expected)} saved tensors compared, {len(different)} differ")
+    assert not different, f"tensors differ from stock: {different}"
+
+
+# ---------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize(
+    "kind, args, devices",
+    [
+        ("moe", MOE_ARGS, ["cpu", "cpu"]),
+        ("moe", NVFP4_ARGS, ["cpu", "cpu", "cpu"]),
+        ("dense", DENSE_ARGS, ["cpu", "cpu"]),
+    ],
+    ids=["moe-w4a16-2dev", "moe-nvfp4-3dev", "dense-w8a16-actorder-2dev"],
+)
+def test_parallel_updates_equal_stock(model_dirs, tmp_path, kind, args, devices):
+    expected = stock(model_dirs, tmp_path, kind, args)
+    recipe = ParallelGPTQExpertModifier(data_parallel=devices, **args)
+    actual, seconds = quantize(model_dirs[kind], recipe, tmp_path / "parallel")
+    print(f"ParallelGPTQExpertModifier {kind} on {devices}: {seconds:.2f} s")
+    assert_identical(expected, actual)
+    assert live_worker_threads() == []
+
+
+def test_data_parallel_off_is_stock(model_dirs, tmp_path):
+    expected = stock(model_dirs, tmp_path, "moe", MOE_ARGS)
+    recipe = ParallelGPTQExpertModifier(data_parallel="off", **MOE_ARGS)
+    actual, seconds = quantize(model_dirs["moe"], recipe, tmp_path / "off")
+    print(f"ParallelGPTQExpertModifier moe, data_parallel='off': {seconds:.2f} s")
+    assert_identical(expected, actual)
+
+
+# ---------------------------------------------------------------- knobs
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        ({"data_parallel": "two"}, "allowed values"),
+        ({"data_parallel": 1}, "allowed values"),
+        ({"data_parallel": ["cpu"]}, "fewer than two devices"),
+        ({"data_parallel": ["cpu", "tpu:0"]}, "is not a device|only \"cpu\" and \"cuda\""),
+        ({"data_parallel": True}, "allowed values"),
+        ({"grouped_experts": "yes"}, "allowed values: True, False"),
+        ({"grouped_experts": 1}, "allowed values: True, False"),
+        ({"batched_quantization": 0}, "positive integer"),
+    ],
+)
+def test_bad_knobs_fail_at_construction(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelGPTQExpertModifier(**MOE_ARGS | knobs)
+
+
+def test_knobs_and_stock_fields_are_kept():
+    modifier = ParallelGPTQExpertModifier(
+        data_parallel=["cpu", "cpu"],
+        grouped_experts=False,
+        block_size=64,
+        dampening_frac=0.05,
+        **MOE_ARGS,
+    )
+    assert modifier.data_parallel == ["cpu", "cpu"]
+    assert modifier.grouped_experts is False
+    assert (modifier.block_size, modifier.dampening_frac) == (64, 0.05)
+    assert modifier.batched_quantization == 4
+    assert ParallelGPTQExpertModifier(**MOE_ARGS).data_parallel == "off"
+    assert ParallelGPTQExpertModifier(**MOE_ARGS).grouped_experts is True
+
+
+# ---------------------------------------------------------------- failures
+def test_worker_failure_names_device_and_leaves_layer_untouched(model_dirs, monkeypatch):
+    real_quantize = parallel_gptq.quantize_weight
+
+    def failing_quantize(**kwargs: Any) -> Any:
+        name = threading.current_thread().name
+        if name.startswith("llmc-parallel-1-"):
+            raise RuntimeError("injected failure")
+        if name.startswith("llmc-parallel-0-"):
+            time.sleep(0.2)  # let worker 1 take a batch
+        return real_quantize(**kwargs)
+
+    snapshots: list[dict[str, torch.Tensor]] = []
+    layers_seen: list[list[torch.nn.Module]] = []
+    real_compress = ParallelGPTQExpertModifier.compress_module_list
+
+    def snapshot_then_compress(self, module_list):
+        layers_seen.append(list(module_list))
+        snapshots.append(_parameters_of(module_list))
+        return real_compress(self, module_list)
+
+    monkeypatch.setattr(parallel_gptq, "quantize_weight", failing_quantize)
+    monkeypatch.setattr(ParallelGPTQExpertModifier, "compress_module_list", snapshot_then_compress)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["moe"], dtype=torch.float32)
+    recipe = ParallelGPTQExpertModifier(data_parallel=["cpu", "cpu"], **MOE_ARGS)
+    failure = r"worker 1 on device cpu failed: RuntimeError: injected failure"
+    with pytest.raises(ReplicaError, match=failure):
+        run_oneshot(model, recipe)
+
+    assert live_worker_threads() == []
+    failed_layer = [modules for modules in layers_seen if modules]
+    assert len(failed_layer) == 1, "the run should stop at the first quantized layer"
+    before, after = snapshots[-1], _parameters_of(layers_seen[-1])
+    changed = [name for name in before if not _same_bits(before[name], after[name])]
+    print(f"{len(after)} parameters of the failed layer compared, {len(changed)} changed")
+    assert after and not changed
+    assert all(module in recipe._hessians for module in layers_seen[-1])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: placeholders not yet written may hold NaN garbage."""
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
+
+
+def _parameters_of(modules: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return {
+        f"{index}.{name}": parameter.detach().clone()
+        for index, module in enumerate(modules)
+        for name, parameter in module.named_parameters(recurse=False)
+    }
+
+
+# ---------------------------------------------------------------- the pool itself
+def _job(name: str, value: float, bytes_needed: int = 0) -> UpdateJob:
+    return UpdateJob(name, {"x": torch.tensor(value)}, torch.device("cpu"), bytes_needed)
+
+
+def _where(inputs: dict, device: torch.device) -> tuple[float, str, bool]:
+    return float(inputs["x"] * 2), threading.current_thread().name, torch.is_grad_enabled()
+
+
+def test_first_job_in_caller_thread_rest_on_workers():
+    jobs = [_job(f"job{i}", i) for i in range(6)]
+    with DeviceWorkerPool(["cpu", "cpu"]) as pool, torch.no_grad():
+        results = run_update_jobs(pool, jobs, _where)
+    assert [result.value[0] for result in results] == [0, 2, 4, 6, 8, 10]
+    assert results[0].worker is None
+    assert results[0].value[1] == threading.current_thread().name
+    assert all(result.worker in (0, 1) for result in results[1:])
+    assert all(result.value[1].startswith("llmc-parallel-") for result in results[1:])
+    assert not any(result.value[2] for result in results), "grad mode not carried"
+    assert live_worker_threads() == []
+
+
+def test_device_without_room_is_skipped_with_a_log_line(monkeypatch):
+    monkeypatch.setattr(update_pool, "_free_bytes", lambda device: 100)
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
+    jobs = [_job("first", 0), _job("small", 1, 10), _job("large", 2, 1000)]
+    try:
+        with DeviceWorkerPool(["cpu", "cpu"]) as pool:
+            results = run_update_jobs(pool, jobs, _where)
+    finally:
+        logger.remove(sink)
+    assert [result.value[0] for result in results] == [0, 2, 4]
+    assert results[1].worker in (0, 1)
+    assert results[2].worker is None, "a job no device has room for runs in the caller"
+    assert any("skipping cpu" in line for line in lines)
+    assert any("no worker device has room for large" in line for line in lines)
+
+
+def test_failing_job_stops_the_queue_and_names_the_worker():
+    started: list[str] = []
+
+    def update(inputs: dict, device: torch.device) -> float:
+        started.append(threading.current_thread().name)
+        if float(inputs["x"]) == 1:
+            raise ValueError("bad batch")
+        time.sleep(0.05)
+        return float(inputs["x"])
+
+    jobs = [_job(f"job{i}", i) for i in range(8)]
+    with DeviceWorkerPool(["cpu", "cpu"]) as pool:
+        with pytest.raises(ReplicaError, match=r"on device cpu failed: ValueError: bad batch"):
+            run_update_jobs(pool, jobs, update)
+    assert len(started) < len(jobs), "workers kept taking jobs after a failure"
+    assert live_worker_threads() == []
+
+
+# ---------------------------------------------------------------- GPUs (device machine)
+@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
+@pytest.mark.parametrize("batched", ["auto", 4])
+def test_parallel_updates_equal_stock_on_two_gpus(model_dirs, tmp_path, batched):
+    args = MOE_ARGS | {"batched_quantization": batched}
+    expected = stock(model_dirs, tmp_path, "moe", args)
+    recipe = ParallelGPTQExpertModifier(data_parallel=["cuda:0", "cuda:1"], **args)
+    actual, seconds = quantize(model_dirs["moe"], recipe, tmp_path / "parallel")
+    print(f"ParallelGPTQExpertModifier moe on cuda:0, cuda:1: {seconds:.2f} s")
+    assert_identical(expected, actual)
+    assert live_worker_threads() == []
+
+
+@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
+def test_batch_on_second_gpu_equals_home_gpu():
+    """A stacked batch large enough for the batched Cholesky path, home vs cuda:1."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    home = torch.device("cuda", 0)
+    generator = torch.Generator().manual_seed(0)
+    num_modules, rows, columns = 20, 256, 512
+    quant_args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
+        actorder="static",
+    )
+    weights, hessians = [], []
+    for _ in range(num_modules):
+        weights.append(torch.randn(rows, columns, generator=generator).to(home, torch.bfloat16))
+        samples = torch.randn(1024, columns, generator=generator).to(home)
+        hessians.append(2 * samples.t() @ samples)
+    scales = [
+        (weight.float().abs().reshape(rows, -1, 128).amax(-1) / 7).to(torch.bfloat16)
+        for weight in weights
+    ]
+    inputs = parallel_gptq._BatchInputs(
+        weights=weights,
+        hessians=hessians,
+        num_samples=[torch.tensor(1024.0, device=home) for _ in weights],
+        qparams=[
+            {"scale": scale, "zero_point": torch.zeros_like(scale, dtype=torch.int8),
+             "global_scale": None}
+            for scale in scales
+        ],
+        quant_args=quant_args,
+    )
+    update = functools.partial(parallel_gptq._quantize_batch, blocksize=128, percdamp=0.01)
+    expected = update(inputs, home)
+    jobs = [UpdateJob("warm-up", inputs, home, 0), UpdateJob("batch", inputs, home, 0)]
+    with DeviceWorkerPool(["cuda:1"]) as pool:
+        results = run_update_jobs(pool, jobs, update)
+    print("ran on:", [result.place for result in results])
+    assert results[1].device == torch.device("cuda", 1)
+    for result in results:
+        assert torch.equal(result.value.quantized.cpu(), expected.quantized.cpu())
+        assert result.value.losses == expected.losses

@@ -1,0 +1,71 @@
+"""GPU behaviour (marker `gpu`; skipped without 2 GPUs). Run on the device machine."""
+
+import threading
+
+import pytest
+import torch
+
+from llmcompressor.modifiers.autoround import AutoRoundModifier
+from llmcompressor_parallel import DataParallelAutoRoundModifier
+from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut, ReplicaError
+from llmcompressor_parallel.engine.worker_pool import live_worker_threads
+from oneshot_runs import AUTOROUND_ARGS, block_losses, compare_checkpoints, run_oneshot
+from tiny_models import decoder_layer_and_inputs, save_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+def test_fan_out_over_two_gpus_matches_serial():
+    layer, inputs = decoder_layer_and_inputs("cuda:0", batch=6, seq_len=32)
+    serial = layer(**inputs)
+    serial.float().pow(2).mean().backward()
+    serial_grad = layer.mlp.up_proj.weight.grad.clone()
+    layer.mlp.up_proj.weight.grad = None
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    with DeviceWorkerPool(devices) as pool, FanOut(layer, pool) as fan_out:
+        parallel = layer(**inputs)
+        parallel.float().pow(2).mean().backward()
+    assert fan_out.parallel_calls == 1 and parallel.device == torch.device("cuda:0")
+    forward_gap = ((parallel - serial).norm() / serial.norm()).item()
+    grad_gap = ((layer.mlp.up_proj.weight.grad - serial_grad).norm() / serial_grad.norm()).item()
+    print(f"{len(devices)} GPUs: forward relative gap {forward_gap:.2e}, gradient relative gap {grad_gap:.2e}")
+    assert forward_gap < 1e-5 and grad_gap < 1e-4
+
+
+def test_failure_on_second_gpu_names_it():
+    layer, inputs = decoder_layer_and_inputs("cuda:0", batch=6, seq_len=32)
+    original = torch.nn.Linear.forward
+
+    def failing(self, x):
+        if threading.current_thread().name.startswith("llmc-parallel-1"):
+            raise RuntimeError("injected")
+        return original(self, x)
+
+    torch.nn.Linear.forward = failing
+    pool = DeviceWorkerPool([torch.device("cuda:0"), torch.device("cuda:1")])
+    try:
+        with pytest.raises(ReplicaError, match="device cuda:1"):
+            with FanOut(layer, pool):
+                layer(**inputs)
+    finally:
+        torch.nn.Linear.forward = original
+        pool.close()
+    assert not live_worker_threads()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_autoround_on_two_gpus_agrees_with_stock(tmp_path, kind):
+    model = save_tiny_model(kind, tmp_path / "model")
+    with block_losses() as stock_losses:
+        stock = run_oneshot(model, AutoRoundModifier(iters=10, **AUTOROUND_ARGS), tmp_path / "stock")
+    with block_losses() as our_losses:
+        ours = run_oneshot(
+            model, DataParallelAutoRoundModifier(iters=10, data_parallel=2, **AUTOROUND_ARGS), tmp_path / "ours"
+        )
+    figures = compare_checkpoints(stock, ours)
+    print(f"{kind}, 2 GPUs vs stock on 1: {figures}; block losses stock {stock_losses} ours {our_losses}")
+    assert figures["other_tensors_equal"] == 1.0
+    assert len(stock_losses) == len(our_losses) == 2
+    for (stock_first, stock_best), (our_first, our_best) in zip(stock_losses, our_losses):
+        assert our_first == pytest.approx(stock_first, rel=1e-2)
+        assert our_best == pytest.approx(stock_best, rel=5e-2)
