@@ -74,7 +74,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     quantized = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32)
     heldout = stdlib_texts("heldout")
     kl = kl_divergence(reference, quantized, tokenizer, heldout, args.seq_len, args.kl_chunks)
-    prompt = "def "
+    prompt = "def __init__(self"
     print("\n--- generation (original) ---")
     print(generate(reference, tokenizer, prompt, 40))
     print("--- generation (quantized, reloaded with transformers) ---")
