@@ -14,3 +14,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """CPU "devices" are worker threads: with several OpenMP threads each on a 2-core
+    machine, spin-waiting thread teams oversubscribe it and a tiny run takes a minute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """The tiny dense and MoE models of tiny_models.py, saved once per test module."""
+    from tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: save_tiny_model(kind, root / kind) for kind in ("dense", "moe")}

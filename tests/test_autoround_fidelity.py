@@ -18,15 +18,9 @@ from llmcompressor_parallel import DataParallelAutoRoundModifier
 from llmcompressor_parallel.demo import calibration_dataset, demo_model_path
 from oneshot_runs import AUTOROUND_ARGS, block_losses, compare_checkpoints, run_oneshot
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 SAMPLES, SEQ_LEN, ITERS = 16, 64, 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2-core CI machine: replica threads would oversubscribe
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -33,26 +33,14 @@ from llmcompressor_parallel.engine.worker_pool import (
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from tiny_models import calibration_data, load_saved_tensors, save_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 MOE_ARGS = dict(targets="Linear", scheme="W4A16", ignore=["lm_head"], batched_quantization=4)
 NVFP4_ARGS = dict(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"], batched_quantization=3)
 DENSE_ARGS = dict(targets="Linear", scheme="W8A16", ignore=["lm_head"], actorder="weight")
 
 
 # ---------------------------------------------------------------- helpers
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """CPU "devices" are worker threads: with several OpenMP threads each on 2 cores,
-    spin-waiting teams oversubscribe the machine and a tiny run can take a minute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gptq_models")
-    return {kind: save_tiny_model(kind, root / kind) for kind in ("dense", "moe")}
 
 
 def run_oneshot(model: Any, recipe: Any, output_dir: Path | None = None) -> None:

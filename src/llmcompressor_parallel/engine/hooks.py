@@ -12,15 +12,15 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["foreign_hooks"]
+__all__ = ["GLOBAL_HOOK_DICTS", "MODULE_HOOK_DICTS", "foreign_hooks"]
 
-_MODULE_HOOK_DICTS = (
+MODULE_HOOK_DICTS = (
     "_forward_hooks",
     "_forward_pre_hooks",
     "_backward_hooks",
     "_backward_pre_hooks",
 )
-_GLOBAL_HOOK_DICTS = (
+GLOBAL_HOOK_DICTS = (
     "_global_forward_hooks",
     "_global_forward_pre_hooks",
     "_global_backward_hooks",
@@ -38,10 +38,10 @@ def foreign_hooks(layer: nn.Module) -> list[str]:
     for name, module in layer.named_modules():
         if module is layer:
             continue
-        for hook_dict in _MODULE_HOOK_DICTS:
+        for hook_dict in MODULE_HOOK_DICTS:
             for hook in getattr(module, hook_dict, {}).values():
                 found.append(f"{hook_dict.strip('_')} {_describe(hook)} on {name}")
-    for hook_dict in _GLOBAL_HOOK_DICTS:
+    for hook_dict in GLOBAL_HOOK_DICTS:
         for hook in getattr(torch_module, hook_dict, {}).values():
             found.append(f"{hook_dict.strip('_')} {_describe(hook)}")
     return found

@@ -1,7 +1,14 @@
-"""ParallelGPTQExpertModifier: stock GPTQ, each layer's weight updates on every device.
+"""ParallelGPTQExpertModifier: stock GPTQ, each layer's calibration and updates on every device.
 
-The stock modifier calibrates as usual (the calibration forwards are still serial
-here) and, at the end of each layer, forms the same update batches stock forms
+Calibration: under the "parallel_sequential" pipeline (`calibration_pipeline`,
+named with `oneshot(..., pipeline="parallel_sequential")`), a layer's calibration
+batches run on replicas of the layer, one per device of the worker pool; this
+modifier's Hessian hook then accumulates per replica (`gptq_calibration`) and the
+partial sums are merged into stock's statistics before the update. Under any other
+pipeline the calibration forwards run serially, as in stock, and the modifier says
+once how to enable them.
+
+Updates: at the end of each layer, the modifier forms the same update batches stock forms
 (`assign_batches`: same-shape modules such as MoE experts stacked for one call).
 Instead of quantizing them in turn on the home device, the batches run on the
 per-device worker pool (`engine.update_pool`); each worker calls the stock
@@ -16,7 +23,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from compressed_tensors.offload import disable_offloading
@@ -25,6 +32,7 @@ from compressed_tensors.utils import get_execution_device, getattr_chain
 from loguru import logger
 from pydantic import PrivateAttr, field_validator
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from llmcompressor.core import Event, State
 from llmcompressor.modifiers.gptq import GPTQModifier
@@ -36,6 +44,7 @@ from llmcompressor.modifiers.gptq.helpers import (
     update_batch_qparams,
 )
 
+from llmcompressor_parallel.calibration_pipeline import PIPELINE_NAME
 from llmcompressor_parallel.engine.update_pool import (
     UpdateJob,
     UpdateResult,
@@ -43,14 +52,18 @@ from llmcompressor_parallel.engine.update_pool import (
 )
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
+from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
 
 __all__ = ["ParallelGPTQExpertModifier"]
 
 
 class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
-    """GPTQModifier whose per-layer weight updates run on a pool of device workers.
+    """GPTQModifier whose per-layer calibration and weight updates run on a pool of devices.
 
-    Every stock field works as in `GPTQModifier`. Added:
+    Every stock field works as in `GPTQModifier`. The weight updates use the pool
+    under any pipeline; the calibration forwards only under
+    `oneshot(..., pipeline="parallel_sequential")` (see `calibration_pipeline`).
+    Added:
 
     :param data_parallel: "off" (default: exactly the stock modifier), "auto" (all
         visible GPUs), an int N >= 2 (cuda:0..N-1) or a list of device strings
@@ -65,6 +78,10 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
+    _in_parallel_pipeline: bool = PrivateAttr(default=False)
+    _told_how_to_enable: bool = PrivateAttr(default=False)
+    _partials: HessianPartials | None = PrivateAttr(default=None)
+    _partial_handles: list[RemovableHandle] = PrivateAttr(default_factory=list)
 
     @field_validator("grouped_experts", mode="before")
     @classmethod
@@ -89,6 +106,8 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         super().on_calibration_start(state, event, **kwargs)
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
+        if self._devices is not None and not self._in_parallel_pipeline:
+            self._tell_how_to_enable()
 
     def on_sequential_epoch_end(
         self, state: State, event: Event, modules: list[nn.Module], **kwargs
@@ -101,6 +120,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
 
     def on_calibration_end(self, state: State, event: Event, **kwargs):
         self.close_workers()
+        self._in_parallel_pipeline = False
         super().on_calibration_end(state, event, **kwargs)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
@@ -112,6 +132,66 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+    def _tell_how_to_enable(self) -> None:
+        """Once per modifier: the calibration forwards are serial under this pipeline."""
+        if self._told_how_to_enable:
+            return
+        self._told_how_to_enable = True
+        logger.warning(
+            "{}: data_parallel={!r}: only the weight updates run on the worker pool; "
+            "the calibration forwards (most of GPTQ's time on MoE layers) run serially "
+            "under this calibration pipeline. To run them data-parallel as well, call "
+            "oneshot(..., pipeline={!r}) after importing llmcompressor_parallel.",
+            type(self).__name__,
+            self.data_parallel,
+            PIPELINE_NAME,
+        )
+
+    # ------------------------------------------------------------ calibration
+    # (the ParallelCalibrationParticipant protocol of `calibration_pipeline`)
+    def join_parallel_pipeline(self) -> None:
+        self._in_parallel_pipeline = True
+
+    def parallel_calibration_pool(self) -> DeviceWorkerPool | None:
+        return self._pool
+
+    def merges_hook(self, hook: Callable) -> bool:
+        """Only this modifier's own Hessian hook: its observers' hooks are not merged."""
+        return (
+            getattr(hook, "__self__", None) is self
+            and getattr(hook, "__func__", None) is type(self).calibrate_module
+        )
+
+    def begin_parallel_calibration(
+        self, modules: Sequence[nn.Module], parts: Sequence[Mapping[nn.Module, nn.Module]]
+    ) -> None:
+        """Per-part Hessian hooks on what each part runs; the stock hook pauses meanwhile."""
+        if self._partials is not None:
+            raise RuntimeError("a parallel calibration pass is already running")
+        self._partials = HessianPartials(len(parts))
+        for part, module_map in enumerate(parts):
+            for home in modules:
+                hook = self._partials.hook(part, home)
+                self._partial_handles.append(module_map[home].register_forward_hook(hook))
+
+    def end_parallel_calibration(self, merge: bool) -> None:
+        """Remove the per-part hooks; with `merge`, add the partial sums to stock's dicts."""
+        handles, self._partial_handles = self._partial_handles, []
+        for handle in handles:
+            handle.remove()
+        partials, self._partials = self._partials, None
+        if merge and partials is not None:
+            merged = partials.merge_into(self._hessians, self._num_samples)
+            logger.debug("merged {} replicas' Hessians of {} modules", partials.parts, merged)
+
+    def calibrate_module(
+        self, module: nn.Module, args: tuple[torch.Tensor, ...], _output: torch.Tensor
+    ) -> None:
+        """Stock's hook, paused while a parallel pass accumulates through per-part hooks."""
+        if self._partials is not None:
+            return None
+        return super().calibrate_module(module, args, _output)
 
     # ------------------------------------------------------------ the updates
     def compress_module_list(self, module_list: list[nn.Module]) -> None:
