@@ -23,4 +23,5 @@ oneshot(
     num_calibration_samples=SAMPLES,
     max_seq_length=SEQ_LEN,
     output_dir=MODEL.split("/")[-1] + "-W4A16-GPTQ",
+    pipeline="parallel_sequential",  # calibration forwards data-parallel too
 )

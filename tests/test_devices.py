@@ -32,6 +32,12 @@ def test_invalid_values_name_the_allowed_ones(value, fragment):
     assert "allowed values" in str(error.value) or "supported" in str(error.value)
 
 
+def test_yaml_off_which_yaml_reads_as_false_means_off():
+    import yaml
+
+    assert validate_data_parallel(yaml.safe_load("data_parallel: off")["data_parallel"]) == "off"
+
+
 def test_off_resolves_to_serial():
     assert resolve_devices("off") is None
 

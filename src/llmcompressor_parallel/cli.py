@@ -135,6 +135,7 @@ def _run_oneshot(args: argparse.Namespace) -> int:
         num_calibration_samples=min(args.samples, len(dataset)),
         max_seq_length=args.seq_len,
         output_dir=args.output_dir,
+        **({"pipeline": args.pipeline} if args.pipeline else {}),
     )
     print(json.dumps({"quantize_seconds": round(time.perf_counter() - start, 2),
                       "output_dir": str(Path(args.output_dir).resolve())}))
@@ -163,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     one.add_argument("--dataset", default=None,
                      help="datasets folder or .txt/.json/.jsonl; default: stdlib sources")
     one.add_argument("--data-parallel", default=None, help="override the recipe's data_parallel")
+    one.add_argument("--pipeline", default=None,
+                     help='calibration pipeline; "parallel_sequential" runs GPTQ calibration '
+                          "forwards data-parallel")
     one.add_argument("--samples", type=int, default=128)
     one.add_argument("--seq-len", type=int, default=2048)
     one.set_defaults(run=_run_oneshot)

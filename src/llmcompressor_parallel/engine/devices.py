@@ -23,7 +23,12 @@ _ALLOWED = (
 
 
 def validate_data_parallel(value: DataParallelSpec) -> DataParallelSpec:
-    """Check the shape of a `data_parallel` value without looking at the hardware."""
+    """Check the shape of a `data_parallel` value without looking at the hardware.
+
+    YAML 1.1 reads an unquoted `off` as false, so False means "off".
+    """
+    if value is False:
+        return "off"
     if isinstance(value, bool):
         raise ValueError(f"data_parallel={value!r} is not valid; {_ALLOWED}")
     if isinstance(value, str):
