@@ -51,12 +51,12 @@ class PhaseTimer:
 
 @contextlib.contextmanager
 def _patched(owner: object, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, make(original))
+    raw = vars(owner).get(name, getattr(owner, name))  # the descriptor itself, for restoring
+    setattr(owner, name, make(getattr(owner, name)))
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        setattr(owner, name, raw)
 
 
 @contextlib.contextmanager
@@ -110,5 +110,48 @@ def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
             _patched(quantizer_module, "collect_best_params", timed_as("tuning.best_params"))
         )
         stack.enter_context(_patched(AutoRoundModifier, "on_sequential_epoch_end", epoch_end))
+        timer._mark = time.perf_counter()
+        yield
+
+
+@contextlib.contextmanager
+def gptq_phases(timer: PhaseTimer) -> Iterator[None]:
+    """calibration (hooked forwards), updates (the layer's GPTQ solves), propagation.
+
+    Per subgraph the pipelines run: calibration pass, `on_sequential_epoch_end`
+    (the updates), then the propagation pass inside `HooksMixin.disable_hooks()`;
+    the propagation time is credited to the layer that was just updated.
+    """
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.utils.hooks import HooksMixin
+
+    def epoch_end(original):
+        def wrapper(self, *args, **kwargs):
+            _sync()
+            timer.add("calibration", time.perf_counter() - timer._mark)
+            with timer.timed("updates"):
+                result = original(self, *args, **kwargs)
+            timer.close_layer()
+            timer._mark = time.perf_counter()
+            return result
+        return wrapper
+
+    original_disable = HooksMixin.disable_hooks.__func__
+
+    @contextlib.contextmanager
+    def disable_hooks(cls, *args, **kwargs):
+        _sync()
+        start = time.perf_counter()
+        with original_disable(cls, *args, **kwargs):
+            yield
+        _sync()
+        if timer.layers:
+            layer = timer.layers[-1]
+            layer["propagation"] = layer.get("propagation", 0.0) + time.perf_counter() - start
+        timer._mark = time.perf_counter()
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(GPTQModifier, "on_sequential_epoch_end", epoch_end))
+        stack.enter_context(_patched(HooksMixin, "disable_hooks", lambda _: classmethod(disable_hooks)))
         timer._mark = time.perf_counter()
         yield
