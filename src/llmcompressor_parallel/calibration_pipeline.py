@@ -22,6 +22,8 @@ stock's result:
   silenced; any other hook blocks);
 - the layers can be replicated, and there are at least two batches.
 Otherwise the pass runs as stock's loop and one line names the reason.
+Around every data-parallel pass a participant may enter its own context with the
+pass's replicas (`parallel_pass`; GPTQ runs MoE experts grouped on each replica).
 Outputs are written to the intermediates cache in batch order per batch, as stock
 writes them; the propagation pass's outputs are bit-identical to stock's on
 devices of one kind, since each batch runs the same kernels on the same inputs.
@@ -77,7 +79,15 @@ PIPELINE_NAME = "parallel_sequential"
 
 @runtime_checkable
 class ParallelCalibrationParticipant(Protocol):
-    """A modifier whose calibration hooks can run on replicas and be merged exactly."""
+    """A modifier whose calibration hooks can run on replicas and be merged exactly.
+
+    Optional: `parallel_pass(parts, devices, calibrating) -> ContextManager`, entered
+    around every data-parallel pass (calibration and propagation) once the replicas
+    exist and before any per-part hook is registered, and exited before the layers
+    get their offloading back. `parts[k]` maps each home module of the replicated
+    layers to the module part k runs, on `devices[k]`. `ParallelGPTQExpertModifier`
+    uses it to run MoE experts grouped on every part (`modifiers.gptq_grouped`).
+    """
 
     def join_parallel_pipeline(self) -> None:
         """Called before calibration starts: this pipeline is the one in use."""
@@ -240,9 +250,11 @@ class _PassRunner:
                 return str(error)
             merging: list[ParallelCalibrationParticipant] = []
             try:
-                if calibrating:
-                    self._begin(subgraph, replicas, active, merging)
-                self._parallel(pool, subgraph, replicas, desc, store)
+                maps = [replicas.module_map(part) for part in range(replicas.parts)]
+                with _participant_passes(active, maps, replicas.devices, calibrating):
+                    if calibrating:
+                        self._begin(subgraph, maps, active, merging)
+                    self._parallel(pool, subgraph, replicas, desc, store)
             except BaseException:
                 for participant in merging:
                     participant.end_parallel_calibration(merge=False)
@@ -324,14 +336,13 @@ class _PassRunner:
     def _begin(
         self,
         subgraph: Subgraph,
-        replicas: SubgraphReplicas,
+        maps: list[dict[nn.Module, nn.Module]],
         active: list[ParallelCalibrationParticipant],
         begun: list[ParallelCalibrationParticipant],
     ) -> None:
         """Hand each participant the modules whose hooks it merges, per part; `begun` lists them."""
         named = ((self._names.get(m, ""), m) for m in subgraph.submodules(self.model))
         hooks = firing_hooks(named)
-        maps = [replicas.module_map(part) for part in range(replicas.parts)]
         for participant in active:
             modules = list(
                 dict.fromkeys(h.module for h in hooks if participant.merges_hook(h.target))
@@ -395,6 +406,22 @@ class _PassRunner:
         finally:
             progress.close()
         active_session().state.current_batch_idx = num_batches - 1
+
+
+@contextlib.contextmanager
+def _participant_passes(
+    active: list[ParallelCalibrationParticipant],
+    maps: list[dict[nn.Module, nn.Module]],
+    devices: Sequence[torch.device],
+    calibrating: bool,
+):
+    """Enter each participant's optional `parallel_pass` context for one pass."""
+    with contextlib.ExitStack() as stack:
+        for participant in active:
+            enter = getattr(participant, "parallel_pass", None)
+            if enter is not None:
+                stack.enter_context(enter(maps, devices, calibrating))
+        yield
 
 
 def _compile(subgraph: Subgraph) -> None:

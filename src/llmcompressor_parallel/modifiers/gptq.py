@@ -16,14 +16,21 @@ per-device worker pool (`engine.update_pool`); each worker calls the stock
 and qparams. Only when every batch of the layer has succeeded are the results
 written back with the stock `update_batch_qparams` (offloaded modules included),
 so a failure leaves the layer's weights and the modifier's Hessians untouched.
+
+MoE experts: with `grouped_experts=True` (the default), llm-compressor's linearised
+experts run grouped in the calibration and propagation forwards (stacked weights,
+batched matmuls, Hessians of all experts in a few batched kernels), serially and in
+data-parallel passes alike; `gptq_grouped` says what runs grouped when and when
+stock's per-expert loop runs instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import Counter
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, Mapping, NamedTuple, Sequence
 
 import torch
 from compressed_tensors.offload import disable_offloading
@@ -53,6 +60,7 @@ from llmcompressor_parallel.engine.update_pool import (
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
+from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
 
 __all__ = ["ParallelGPTQExpertModifier"]
 
@@ -68,10 +76,18 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     :param data_parallel: "off" (default: exactly the stock modifier), "auto" (all
         visible GPUs), an int N >= 2 (cuda:0..N-1) or a list of device strings
         (["cuda:0", "cuda:2"], or ["cpu", "cpu"] for testing without a GPU)
-    :param grouped_experts: switch for running llm-compressor's linearised MoE
-        experts grouped (stacked weights, batched matmuls and Hessians). That path
-        is not built yet: the flag is validated and accepted, and experts run as
-        in stock whatever its value.
+    :param grouped_experts: True (default): llm-compressor's linearised MoE experts
+        (`LinearExperts2D`) run grouped in the calibration and propagation forwards:
+        each layer's expert weights stacked on the execution device when the layer
+        is calibrated (dropped after its propagation), the experts' matmuls and the
+        per-expert GPTQ Hessians in a few batched kernels, gate and up sharing one
+        Hessian; on every replica under the "parallel_sequential" pipeline, the
+        replicas' Hessians merged exactly. Same statistics as stock's per-expert
+        hooks up to fp32 summation order. An experts module runs stock's loop,
+        with one log line, when the grouped engine does not reproduce it (custom
+        expert classes), when another hook sits on its experts or their Linears,
+        or when quantization is enabled during the forward. False: experts run as
+        in stock, bit for bit.
     """
 
     grouped_experts: bool = True
@@ -82,6 +98,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     _told_how_to_enable: bool = PrivateAttr(default=False)
     _partials: HessianPartials | None = PrivateAttr(default=None)
     _partial_handles: list[RemovableHandle] = PrivateAttr(default_factory=list)
+    _grouped: GroupedExpertsWiring | None = PrivateAttr(default=None)
 
     @field_validator("grouped_experts", mode="before")
     @classmethod
@@ -95,15 +112,13 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     # ------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs) -> bool:
         self._devices = self.resolve_parallel_devices()
-        if self.grouped_experts:
-            logger.debug(
-                "grouped_experts=True: the grouped expert path is not built yet; "
-                "MoE experts are calibrated as llm-compressor's linearised modules"
-            )
         return super().on_initialize(state, **kwargs)
 
     def on_calibration_start(self, state: State, event: Event, **kwargs):
         super().on_calibration_start(state, event, **kwargs)
+        if self.grouped_experts and self._grouped is None:
+            self._grouped = GroupedExpertsWiring(self)
+            self._grouped.install(state.model)
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
         if self._devices is not None and not self._in_parallel_pipeline:
@@ -113,12 +128,16 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         self, state: State, event: Event, modules: list[nn.Module], **kwargs
     ):
         try:
+            modules = list(modules)
+            if self._grouped is not None:
+                self._grouped.epoch_end(modules)
             return super().on_sequential_epoch_end(state, event, modules, **kwargs)
         except BaseException:
             self.close_workers()
             raise
 
     def on_calibration_end(self, state: State, event: Event, **kwargs):
+        self._release_grouped(export_pending=True)
         self.close_workers()
         self._in_parallel_pipeline = False
         super().on_calibration_end(state, event, **kwargs)
@@ -128,10 +147,17 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         return super().on_finalize(state, **kwargs)
 
     def close_workers(self) -> None:
-        """Stop the worker threads (idempotent)."""
+        """Stop the worker threads (idempotent); on a failed run also unpatch the experts."""
+        self._release_grouped(export_pending=False)
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+    def _release_grouped(self, export_pending: bool) -> None:
+        """Give the experts their forwards back; drop (or first export) what is held."""
+        grouped, self._grouped = self._grouped, None
+        if grouped is not None:
+            grouped.close(export_pending)
 
     def _tell_how_to_enable(self) -> None:
         """Once per modifier: the calibration forwards are serial under this pipeline."""
@@ -176,14 +202,32 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
                 self._partial_handles.append(module_map[home].register_forward_hook(hook))
 
     def end_parallel_calibration(self, merge: bool) -> None:
-        """Remove the per-part hooks; with `merge`, add the partial sums to stock's dicts."""
+        """Remove the per-part hooks; with `merge`, add the partial sums to stock's dicts.
+
+        Grouped experts' per-part Hessians are merged and exported last: their
+        shared gate/up entries must not be added into by the partials' in-place merge.
+        """
         handles, self._partial_handles = self._partial_handles, []
         for handle in handles:
             handle.remove()
         partials, self._partials = self._partials, None
+        offset = len(self._hessians)
         if merge and partials is not None:
             merged = partials.merge_into(self._hessians, self._num_samples)
             logger.debug("merged {} replicas' Hessians of {} modules", partials.parts, merged)
+        if self._grouped is not None:
+            self._grouped.merge_parallel(merge, offset)
+
+    def parallel_pass(
+        self,
+        parts: Sequence[Mapping[nn.Module, nn.Module]],
+        devices: Sequence[torch.device],
+        calibrating: bool,
+    ) -> ContextManager[None]:
+        """Around each data-parallel pass: every part's experts run grouped (if enabled)."""
+        if self._grouped is None:
+            return contextlib.nullcontext()
+        return self._grouped.parallel_pass(parts, devices, calibrating)
 
     def calibrate_module(
         self, module: nn.Module, args: tuple[torch.Tensor, ...], _output: torch.Tensor

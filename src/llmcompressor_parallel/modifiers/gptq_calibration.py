@@ -44,6 +44,15 @@ class HessianPartials:
     def parts(self) -> int:
         return len(self._sums)
 
+    def seen(self, part: int) -> int:
+        """How many modules part `part` has accumulated so far (call from that part's worker).
+
+        In merged order these are the first modules (part 0's come first), so a
+        statistic accumulated elsewhere can be placed where stock's hooks would
+        have put it (grouped experts, `gptq_grouped`).
+        """
+        return len(self._sums[part])
+
     def hook(self, part: int, home: nn.Module) -> Callable:
         """Forward hook for the module that part `part` runs in place of `home`.
 
