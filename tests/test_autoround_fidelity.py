@@ -71,10 +71,11 @@ def _assert_losses_agree(stock_losses, our_losses, label):
     assert our_total == pytest.approx(stock_total, rel=0.05)
 
 
-def test_off_is_bit_identical(stock, tmp_path, calibration):
-    ours, losses = _ours(tmp_path, calibration, data_parallel="off")
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-experts", "per-expert-loop"])
+def test_off_is_bit_identical(stock, tmp_path, calibration, grouped):
+    ours, losses = _ours(tmp_path, calibration, data_parallel="off", grouped_experts=grouped)
     figures = compare_checkpoints(stock[0], ours)
-    print(f"off: {figures}")
+    print(f"off, grouped_experts={grouped}: {figures}")
     assert figures["int_identical"] == 1.0 and figures["worst_scale_rel"] == 0.0
     assert figures["other_tensors_equal"] == 1.0
     assert losses == stock[1]

@@ -47,6 +47,8 @@ def test_shipped_recipe_parses():
         ("data_parallel", 1, "one replica is the stock modifier"),
         ("data_parallel", ["cuda:0"], "fewer than two devices"),
         ("parallel_batch", "each", "allowed values: 'split', 'per_replica'"),
+        ("grouped_experts", "yes", "allowed values: True, False"),
+        ("keep_cache_on_gpu", "gpu", "allowed values: None, True, False"),
     ],
 )
 def test_bad_knobs_fail_at_construction(field, value, fragment):

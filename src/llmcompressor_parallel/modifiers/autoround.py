@@ -21,11 +21,30 @@ from llmcompressor.core import Event, State
 from llmcompressor.modifiers.autoround import AutoRoundModifier
 
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
+from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
 from llmcompressor_parallel.modifiers.layer_safety import restore_layer_on_error
 from llmcompressor_parallel.modifiers.pipeline_compat import disable_error_propagation
 
 __all__ = ["DataParallelAutoRoundModifier"]
+
+
+def _log_layer_summary(
+    name: str,
+    fan_out: FanOut | None,
+    grouped: GroupedAutoRoundExperts | None,
+    pool: DeviceWorkerPool | None,
+) -> None:
+    if fan_out is not None:
+        logger.info(
+            "{}: {} of {} layer calls ran data-parallel on {}",
+            name, fan_out.parallel_calls, fan_out.calls, ", ".join(str(d) for d in pool.devices),
+        )
+    if grouped is not None and grouped.module_names:
+        logger.info(
+            "{}: experts ran grouped in {} calls, the per-expert loop in {}",
+            name, grouped.grouped_calls, grouped.stock_calls,
+        )
 
 ParallelBatch = Literal["split", "per_replica"]
 _PARALLEL_BATCH_VALUES = ("split", "per_replica")
@@ -48,10 +67,17 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         removes the host copies that every tuning iteration otherwise makes in
         turn, which bound the speed-up of the fan-out. None (default): on when the
         layer runs data-parallel, off otherwise (stock).
+    :param grouped_experts: while a layer is tuned, run llm-compressor's linearised MoE
+        experts grouped (stacked weights, all experts fake-quantized in a few batched
+        calls of auto-round's own quantizer, grouped matmuls) instead of one wrapped
+        Linear at a time; each expert keeps its own tuning parameters, so auto-round's
+        loop and the saved layout are stock's. Unsupported schemes or hooks fall back
+        to the per-expert loop with a log line. False: the per-expert loop.
     """
 
     parallel_batch: ParallelBatch = "split"
     keep_cache_on_gpu: bool | None = None
+    grouped_experts: bool = True
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -64,6 +90,13 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                 f"parallel_batch={value!r} is not valid; allowed values: "
                 + ", ".join(repr(v) for v in _PARALLEL_BATCH_VALUES)
             )
+        return value
+
+    @field_validator("grouped_experts", mode="before")
+    @classmethod
+    def _check_grouped_experts(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"grouped_experts={value!r} is not valid; allowed values: True, False")
         return value
 
     @field_validator("keep_cache_on_gpu", mode="before")
@@ -99,7 +132,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         return self.keep_cache_on_gpu
 
     def apply_autoround(self, state: State, modules: list[nn.Module]):
-        if self._pool is None and not self._keeps_cache_on_gpu():
+        if self._pool is None and not self._keeps_cache_on_gpu() and not self.grouped_experts:
             return super().apply_autoround(state, modules)
         layers = [m for m in (modules or []) if self._is_decoding_layer(m)]
         try:
@@ -139,26 +172,33 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         def adapted_autoround(*args: Any, **kwargs: Any) -> Any:
             if modifier._keeps_cache_on_gpu():
                 kwargs["low_gpu_mem_usage"] = False
-            if modifier._pool is None:
+            pool = modifier._pool
+            if pool is None and not modifier.grouped_experts:
                 return real_factory(*args, **kwargs)
-            compile_replicas = bool(kwargs.get("enable_torch_compile"))
-            kwargs["enable_torch_compile"] = False  # never compile the fan-out itself
-            if modifier.parallel_batch == "per_replica":
-                kwargs["batch_size"] = modifier.batch_size * len(modifier._pool.devices)
+            compile_replicas = pool is not None and bool(kwargs.get("enable_torch_compile"))
+            if pool is not None:
+                kwargs["enable_torch_compile"] = False  # never compile the fan-out itself
+                if modifier.parallel_batch == "per_replica":
+                    kwargs["batch_size"] = modifier.batch_size * len(pool.devices)
             autoround = real_factory(*args, **kwargs)
             quantize_block = autoround.quantize_block
 
             def fanned_quantize_block(block: nn.Module, *q_args: Any, **q_kwargs: Any):
                 name = getattr(block, "_tmp_name", type(block).__name__)
-                with FanOut(block, modifier._pool, name, compile_replicas) as fan_out:
+                with contextlib.ExitStack() as stack:
+                    # grouped experts first, so that replicas copy the grouped forward
+                    grouped = (
+                        stack.enter_context(GroupedAutoRoundExperts(block, name))
+                        if modifier.grouped_experts
+                        else None
+                    )
+                    fan_out = (
+                        stack.enter_context(FanOut(block, pool, name, compile_replicas))
+                        if pool is not None
+                        else None
+                    )
                     result = quantize_block(block, *q_args, **q_kwargs)
-                logger.info(
-                    "{}: {} of {} layer calls ran data-parallel on {}",
-                    name,
-                    fan_out.parallel_calls,
-                    fan_out.calls,
-                    ", ".join(str(d) for d in modifier._pool.devices),
-                )
+                _log_layer_summary(name, fan_out, grouped, pool)
                 return result
 
             autoround.quantize_block = fanned_quantize_block

@@ -1,0 +1,333 @@
+"""Linearised MoE experts run grouped while auto-round tunes their layer.
+
+auto-round wraps every expert Linear in its own `WrapperLinear` and calls them one by
+one through llm-compressor's `LinearExperts2D` loop: per forward, each of e.g. 384
+wrappers fake-quantizes its weight and runs a small matmul. That is launch/GIL bound
+and threads over GPUs do not scale it (DESIGN.md). Here, while the context is active,
+each experts module of the layer runs as:
+
+- wrapped (tuning, and any no-grad pass with wrappers): `QuantizedGroupedExperts`,
+  all experts fake-quantized in two batched calls of auto-round's own quantizer and
+  run in grouped matmuls, gradients summed in stock's order; the tuning parameters
+  stay each wrapper's own, so auto-round's loop, optimizer and unwrapping are
+  untouched.
+- plain Linears (reference outputs before wrapping, quantized-input chain after
+  unwrapping): `StockOrderGroupedExperts`, the same grouped forward without qdq.
+- anything else, or a call the grouped path cannot reproduce exactly: the stock loop,
+  with one log line per module and reason.
+
+The installed forward is a method bound to the experts module, so `FanOut`'s replicas
+re-point it to their own experts copy; each device keeps its own stacks.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from auto_round.wrapper import WrapperLinear
+from compressed_tensors.quantization import QuantizationStatus
+from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
+from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+from llmcompressor_parallel.engine.grouped_autoround_experts import (
+    QuantizedGroupedExperts,
+    StockOrderGroupedExperts,
+    experts_list,
+    projections,
+    wrapped_unsupported_reason,
+)
+from llmcompressor_parallel.engine.grouped_autoround_qdq import has_hooks
+from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
+from llmcompressor_parallel.engine.grouped_ops import Backend
+
+__all__ = [
+    "GroupedAutoRoundExperts",
+    "QuantizedGroupedExperts",
+    "wrapped_unsupported_reason",
+]
+
+_MISSING = object()
+# the code of compressed-tensors' per-instance `quantized_forward` closure
+_CT_QUANTIZED_FORWARD_CODES = tuple(
+    c for c in set_forward_quantized.__code__.co_consts if isinstance(c, types.CodeType)
+)
+_PLAN_ATTR = "_llmc_parallel_grouped_plan"
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _ct_quantization_active(module: nn.Module) -> bool:
+    """Whether compressed-tensors' `quantized_forward` on `module` would change anything.
+
+    The same test it makes: llm-compressor's pipeline switches quantization off
+    (`quantization_enabled=False`) while AutoRound works on a layer.
+    """
+    scheme = getattr(module, "quantization_scheme", None)
+    status = getattr(module, "quantization_status", None)
+    if not getattr(module, "quantization_enabled", True) or scheme is None or status is None:
+        return False
+    weights = scheme.weights is not None and status < QuantizationStatus.COMPRESSED
+    return bool(scheme.input_activations or scheme.output_activations or weights)
+
+
+def _patched_forward(module: nn.Module) -> bool:
+    """Whether calling `module` would run something else than its class's forward.
+
+    Harmless, and not counted: a bound method of the class's forward on the instance
+    itself (what removing compressed-tensors' offloading leaves; FanOut re-points it),
+    and compressed-tensors' `quantized_forward` while quantization is off.
+    """
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    if not isinstance(forward, types.MethodType) or forward.__self__ is not module:
+        return True
+    func, own = forward.__func__, type(module).forward
+    if func is own:
+        return False
+    if func.__code__ in _CT_QUANTIZED_FORWARD_CODES and getattr(func, "__wrapped__", None) is own:
+        return _ct_quantization_active(module)
+    return True
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
+    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+
+
+@dataclass
+class _Plan:
+    """How one experts module (home or a replica) runs grouped, and its stacks.
+
+    Kept in that module's own `__dict__`: a replica's dict starts as a copy of the
+    home's, so a plan built for another module is recognised and replaced, and each
+    plan lives exactly as long as its module (replicas rebuilt by `FanOut` take
+    their stale stacks with them).
+    """
+
+    module: nn.Module
+    key: tuple  # ids of the projection modules and the weights' device it was built for
+    runner: StockOrderGroupedExperts | None  # None: refused, `reason` says why
+    reason: str | None
+    backend: str = "bmm"  # the runner's resolved kernel
+    hooked: list[nn.Module] = field(default_factory=list)  # whose hooks stock would run
+    called: list[nn.Module] = field(default_factory=list)  # whose forwards stock would call
+    fingerprint: tuple = ()
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        runner = self.runner
+        if isinstance(runner, QuantizedGroupedExperts):
+            return runner.frozen_tensors()
+        params = (m._parameters.values() for m in projections(runner.experts))
+        return [p for group in params for p in group if p is not None]
+
+    def refresh_if_changed(self) -> None:
+        """Rebuild the stacks when weights were written in place (unwrap) or re-copied."""
+        if _fingerprint(self.frozen_tensors()) != self.fingerprint:
+            self.runner.refresh()
+            self.fingerprint = _fingerprint(self.frozen_tensors())
+
+
+def _plan_key(modules: list[nn.Module]) -> tuple:
+    """Which projection modules, on which device, a plan is valid for."""
+    weight = getattr(modules[0], "weight", None)
+    device = weight.device if isinstance(weight, torch.Tensor) else None
+    return (*map(id, modules), device)
+
+
+def _build_plan(experts: LinearExperts2D, key: tuple, backend: Backend, all_tokens: bool) -> _Plan:
+    projs = projections(experts)
+    mlps = experts_list(experts)
+    if all(type(p) is WrapperLinear for p in projs):
+        reason = wrapped_unsupported_reason(experts)
+        if reason is not None:
+            return _Plan(experts, key, None, reason)
+        runner: StockOrderGroupedExperts = QuantizedGroupedExperts(
+            experts, backend=backend, all_tokens=all_tokens
+        )
+        # WrapperLinear runs its Linear's hooks itself, but never the Linear's forward
+        called = mlps + projs
+        hooked = called + [p.orig_layer for p in projs]
+    elif all(type(p) is nn.Linear for p in projs):
+        reason = unsupported_reason(experts)
+        if reason is not None:
+            return _Plan(experts, key, None, reason)
+        runner = StockOrderGroupedExperts(experts, backend=backend, all_tokens=all_tokens)
+        called = hooked = mlps + projs
+    else:
+        reason = "projections are neither all plain Linears nor all auto-round WrapperLinears"
+        return _Plan(experts, key, None, reason)
+    plan = _Plan(experts, key, runner, None, runner.backend, hooked, called)
+    plan.fingerprint = _fingerprint(plan.frozen_tensors())
+    return plan
+
+
+def _call_reason(plan: _Plan, hidden_states: torch.Tensor) -> str | None:
+    """Why this call must take the stock loop although the module can run grouped."""
+    if hidden_states.dim() != 2:
+        return f"hidden_states has {hidden_states.dim()} dims, not [tokens, hidden]"
+    runner = plan.runner
+    if runner._trainable and torch.is_grad_enabled():
+        return "plain experts with trainable weights inside a backward pass"
+    if runner.gate_up_bias is not None and torch.is_autocast_enabled(hidden_states.device.type):
+        # stock's biased linear stays in the autocast dtype; the grouped bias add would promote
+        return "biased projections under autocast"
+    if any(has_hooks(m) for m in plan.hooked):
+        return "a hook is registered on an expert or one of its projections"
+    if any(_patched_forward(m) for m in plan.called):
+        return "an expert's or projection's forward is replaced (offloading, active quantization)"
+    if any(getattr(torch_module, name, None) for name in _GLOBAL_HOOK_DICTS):
+        return "global module hooks are registered"
+    return None
+
+
+def _call_backend(plan: _Plan, hidden_states: torch.Tensor) -> str:
+    """The kernel for this call: `_grouped_mm` is no autocast op, `bmm` is.
+
+    Under autocast, stock's Linears compute in the autocast dtype; `_grouped_mm` would
+    compute in the operands' dtype (or fail on mixed dtypes), so it is used only where
+    the operands already have the autocast dtype (bf16 models on GPU).
+    """
+    device_type = hidden_states.device.type
+    if plan.backend == "grouped_mm" and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if hidden_states.dtype != dtype or plan.runner.dtype != dtype:
+            return "bmm"
+    return plan.backend
+
+
+class _Site:
+    """One experts module of the layer: its stock forward, and the grouped call."""
+
+    def __init__(self, owner: "GroupedAutoRoundExperts", home: LinearExperts2D, name: str):
+        self.owner = owner
+        self.home = home
+        self.name = name
+        self.saved_forward = home.__dict__.get("forward", _MISSING)
+
+    def stock_forward(self, experts: nn.Module) -> Callable[..., torch.Tensor]:
+        if experts is self.home and self.saved_forward is not _MISSING:
+            return self.saved_forward
+        return types.MethodType(type(experts).forward, experts)
+
+    def plan_for(self, experts: LinearExperts2D) -> _Plan:
+        key = _plan_key(projections(experts))
+        plan = experts.__dict__.get(_PLAN_ATTR)
+        if plan is None or plan.module is not experts or plan.key != key:
+            experts.__dict__.pop(_PLAN_ATTR, None)  # free the old stacks before building new ones
+            plan = _build_plan(experts, key, self.owner.backend, self.owner.all_tokens)
+            experts.__dict__[_PLAN_ATTR] = plan
+        elif plan.runner is not None:
+            plan.refresh_if_changed()
+        return plan
+
+    def release(self) -> None:
+        """Give the home its forward back and drop its stacks."""
+        if self.saved_forward is _MISSING:
+            self.home.__dict__.pop("forward", None)
+        else:
+            self.home.forward = self.saved_forward
+        self.home.__dict__.pop(_PLAN_ATTR, None)
+
+    def forward(
+        self,
+        experts: LinearExperts2D,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        plan = self.plan_for(experts)
+        reason = plan.reason if plan.runner is None else _call_reason(plan, hidden_states)
+        if reason is not None:
+            self.owner._count(stock=True, name=self.name, reason=reason)
+            return self.stock_forward(experts)(hidden_states, top_k_index, top_k_weights)
+        self.owner._count(stock=False)
+        runner = plan.runner
+        runner.backend = _call_backend(plan, hidden_states)
+        device = runner.device
+        output = runner.forward(
+            hidden_states.to(device), top_k_index.to(device), top_k_weights.to(device)
+        )
+        return output.to(hidden_states.device)
+
+
+class GroupedAutoRoundExperts:
+    """Context manager: the linearised MoE experts inside `layer` run grouped while active.
+
+    Enter it around auto-round's per-layer work (`quantize_block`), before any `FanOut`
+    of the same layer is entered, so that replicas copy the grouped forward. On exit the
+    experts' own forwards are restored and the stacks freed.
+
+    :param layer: the decoder layer (or any module) holding `LinearExperts2D` modules
+    :param name: how the layer is called in log lines
+    :param backend: segment-matmul kernel, "auto", "grouped_mm" or "bmm" (grouped_ops.py)
+    :param all_tokens: in llm-compressor's all-experts mode (oneshot's default), run
+        every wrapped expert on every token as stock does, so that gradients are
+        summed as stock sums them (bit-identical on CPU); False: routed tokens only,
+        top_k/num_experts of the FLOPs, same math up to floating-point order
+    """
+
+    def __init__(
+        self, layer: nn.Module, name: str = "", backend: Backend = "auto", all_tokens: bool = True
+    ) -> None:
+        self.layer = layer
+        self.name = name or type(layer).__name__
+        self.backend = backend
+        self.all_tokens = all_tokens
+        self.grouped_calls = 0
+        self.stock_calls = 0
+        self.module_names: list[str] = []  # the experts modules routed (kept after exit)
+        self._sites: list[_Site] = []
+        self._logged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "GroupedAutoRoundExperts":
+        for module_name, module in self.layer.named_modules():
+            if not isinstance(module, LinearExperts2D):
+                continue
+            name = f"{self.name}.{module_name}" if module_name else self.name
+            if _patched_forward(module):  # e.g. offloading still on: keep what it does
+                logger.info("{}: experts run the stock per-expert loop: its forward is "
+                            "replaced by {!r}", name, module.__dict__["forward"])
+                continue
+            site = _Site(self, module, name)
+            module.forward = types.MethodType(_bound_forward(site), module)
+            self._sites.append(site)
+            self.module_names.append(name)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for site in self._sites:
+            site.release()
+        self._sites = []
+
+    def _count(self, stock: bool, name: str = "", reason: str = "") -> None:
+        with self._lock:
+            if not stock:
+                self.grouped_calls += 1
+                return
+            self.stock_calls += 1
+            first = (name, reason) not in self._logged
+            self._logged.add((name, reason))
+        if first:
+            logger.info("{}: experts run the stock per-expert loop: {}", name, reason)
+
+
+def _bound_forward(site: _Site) -> Callable[..., Any]:
+    """A plain function for `types.MethodType`: FanOut re-binds it to each replica."""
+
+    def forward(experts: LinearExperts2D, hidden_states, top_k_index, top_k_weights):
+        return site.forward(experts, hidden_states, top_k_index, top_k_weights)
+
+    return forward

@@ -1,0 +1,223 @@
+"""auto-round's weight fake quantization (qdq) for many wrapped Linears in one call.
+
+auto-round's `WrapperLinear` fake-quantizes its own weight on every forward with its
+own tuning parameters (`value`, `min_scale`, `max_scale`): for a MoE layer with 128
+experts that is 384 separate qdq's of a dozen small kernels each, per forward. The int
+quantizers (`quant_tensor_sym`, `quant_tensor_asym`) work group by group along the rows
+of the weight reshaped to [groups, group_size] (rows padded first where needed), and
+every group's result depends only on its own weights and parameters. So the weights
+of same-shaped Linears stacked along the output dimension, with their parameters
+concatenated in the same order, go through the very same auto-round function in one
+call and give, element for element, what each wrapper computes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from auto_round.wrapper import WrapperLinear
+
+__all__ = [
+    "ROW_SEPARABLE_DATA_TYPES",
+    "StackedQdq",
+    "group_unsupported_reason",
+    "has_hooks",
+    "wrapper_unsupported_reason",
+]
+
+# auto-round data types whose quantizer only mixes values within one row of the
+# reshaped weight (one group): stacking rows of several weights cannot change a group
+ROW_SEPARABLE_DATA_TYPES = frozenset({"int_sym", "int_asym"})
+TUNING_PARAMS = ("value", "min_scale", "max_scale")
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether a hook would run when stock calls `module` (the grouped path calls none)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def wrapper_unsupported_reason(wrapper: nn.Module) -> str | None:
+    """Why `wrapper`'s qdq cannot be batched with the exact stock math (None: it can).
+
+    Anything that adds inputs to auto-round's quant call, or work to the wrapper's
+    forward, beyond the plain int weight qdq is refused here, so that the caller
+    keeps the stock per-expert forward for it.
+    """
+    if type(wrapper) is not WrapperLinear:
+        return f"{type(wrapper).__name__} is not auto-round's WrapperLinear"
+    layer = wrapper.orig_layer
+    if type(layer) is not nn.Linear:
+        return f"the wrapped layer is a {type(layer).__name__}, not a Linear"
+    if layer.bits >= 16:
+        return f"the wrapped layer is not quantized (bits={layer.bits})"
+    if wrapper.data_type not in ROW_SEPARABLE_DATA_TYPES:
+        allowed = ", ".join(sorted(ROW_SEPARABLE_DATA_TYPES))
+        return f"data type {wrapper.data_type!r} is not one of {allowed}"
+    group_size = layer.group_size
+    if isinstance(group_size, tuple) or group_size == 0:
+        return f"group_size={group_size!r}: block or per-tensor scales span several rows"
+    if wrapper.enable_act_quant:
+        return f"activations are quantized too (act_bits={layer.act_bits})"
+    if wrapper.enable_norm_bias_tuning:
+        return "bias tuning (enable_norm_bias_tuning) is on"
+    if getattr(wrapper, "weight_global_scale", None) is not None:
+        return "the wrapper has a global weight scale"
+    if getattr(wrapper, "init_scale", None) is not None:
+        return "the wrapper has an init_scale (SignRound v2 / enable_alg_ext)"
+    if getattr(layer, "super_bits", None) is not None:
+        return "double quantization (super_bits) is on"
+    if hasattr(wrapper, "_extra_quant_kwargs"):
+        return "the wrapper adds its own quantization arguments"
+    if layer.weight.device.type == "meta":
+        return "the wrapped weight is on the meta device"
+    if layer.weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad):
+        return "the wrapped weight or bias is trainable (the stacks are detached)"
+    for name in TUNING_PARAMS:
+        # a tuned one is registered (on a replica: its differentiable copy of the home
+        # Parameter); an untuned one is a plain 0-dim attribute
+        if wrapper._parameters.get(name) is None:
+            return f"{name} is not tuned (round or min-max tuning is off)"
+    if (wrapper.weight_min is None) != (wrapper.weight_max is None):
+        return "only one of weight_min / weight_max is set"
+    if has_hooks(wrapper) or has_hooks(layer):
+        return "a hook is registered on the wrapper or its Linear"
+    device = layer.weight.device
+    if torch.device(wrapper.device) != device or torch.device(wrapper.output_device) != device:
+        return "the wrapper computes or outputs on another device than its weight"
+    return None
+
+
+def _settings(wrapper: WrapperLinear) -> tuple:
+    """Everything of a wrapper that enters its qdq, other than its own tensors."""
+    layer = wrapper.orig_layer
+    return (
+        wrapper.weight_quant_func,
+        wrapper.data_type,
+        wrapper.q_scale_thresh,
+        type(wrapper).minmax_scale_bound,
+        wrapper.weight_min is None,
+        layer.bits,
+        layer.group_size,
+        layer.scale_dtype,
+        layer.weight.shape[1],
+        layer.weight.dtype,
+        layer.weight.device,
+        hasattr(layer, "super_bits"),
+        getattr(layer, "super_group_size", None),
+    )
+
+
+def group_unsupported_reason(wrappers: Sequence[nn.Module]) -> str | None:
+    """Why `wrappers` cannot share one batched qdq (None: they can)."""
+    if not wrappers:
+        return "no wrappers to group"
+    first_settings = None
+    for wrapper in wrappers:
+        reason = wrapper_unsupported_reason(wrapper)
+        if reason is not None:
+            return reason
+        settings = _settings(wrapper)
+        if first_settings is None:
+            first_settings = settings
+        elif settings != first_settings:
+            return "the wrappers differ in quantization settings, input size, dtype or device"
+    return None
+
+
+@dataclass
+class StackedQdq:
+    """One batched auto-round qdq for the weights of `wrappers`, stacked along rows.
+
+    `weight` [sum of out_features, in_features] holds the wrappers' original weights
+    in the order of `wrappers` (a detached stack, built once per layer); the tuning
+    parameters are read from the wrappers on every call, so auto-round's optimizer,
+    best-parameter copies and unwrapping keep working on each wrapper's own ones.
+    """
+
+    wrappers: list[WrapperLinear]
+    weight: torch.Tensor
+    weight_min: torch.Tensor | None
+    weight_max: torch.Tensor | None
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, wrappers: Sequence[WrapperLinear], weight: torch.Tensor) -> "StackedQdq":
+        """Group `wrappers` over `weight`, the stack of their `orig_layer.weight`s."""
+        reason = group_unsupported_reason(wrappers)
+        if reason is not None:
+            raise ValueError(f"cannot batch these wrappers' qdq: {reason}")
+        rows = sum(w.orig_layer.weight.shape[0] for w in wrappers)
+        if weight.shape != (rows, wrappers[0].orig_layer.weight.shape[1]):
+            raise ValueError(f"weight stack {tuple(weight.shape)} does not match the wrappers")
+        weight_min = weight_max = None
+        if wrappers[0].weight_min is not None:
+            weight_min = torch.cat([w.weight_min.to(weight.device) for w in wrappers])
+            weight_max = torch.cat([w.weight_max.to(weight.device) for w in wrappers])
+        return cls(list(wrappers), weight, weight_min, weight_max)
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        """The tensors the stacks were built from (weights, biases, weight_min/max).
+
+        Read through the module dicts: this runs on every call to detect changes.
+        """
+        layers = [w._modules["orig_layer"] for w in self.wrappers]
+        tensors = [p for layer in layers for p in layer._parameters.values() if p is not None]
+        if self.weight_min is not None:
+            tensors += [w.__dict__["weight_min"] for w in self.wrappers]
+            tensors += [w.__dict__["weight_max"] for w in self.wrappers]
+        return tensors
+
+    def clamp_scales(self) -> None:
+        """auto-round's in-place clamp of min/max scale, for all wrappers in two kernels.
+
+        Stock `_qdq_weight` clamps `min_scale.data` and `max_scale.data` in place on
+        every forward; `.data` keeps autograd's version counters untouched, as stock.
+        """
+        low, high = type(self.wrappers[0]).minmax_scale_bound
+        names = ("min_scale", "max_scale")
+        data = [w._parameters[name].data for name in names for w in self.wrappers]
+        torch._foreach_clamp_min_(data, low)
+        torch._foreach_clamp_max_(data, high)
+
+    def gather(self, name: str) -> torch.Tensor:
+        """The wrappers' parameter `name`, concatenated differentiably (grads reach each)."""
+        return torch.cat([w._parameters[name] for w in self.wrappers])
+
+    def __call__(self) -> torch.Tensor:
+        """Fake-quantized stacked weight [rows, in], as each wrapper's `_qdq_weight` gives it."""
+        self.clamp_scales()
+        first = self.wrappers[0]
+        layer = first.orig_layer
+        quant_kwargs = {}
+        if hasattr(layer, "super_bits"):  # stock passes them whenever the layer has them
+            quant_kwargs = {
+                "super_bits": layer.super_bits,
+                "super_group_size": layer.super_group_size,
+            }
+        weight_q, _, _ = first.weight_quant_func(
+            self.weight,
+            bits=layer.bits,
+            group_size=layer.group_size,
+            v=self.gather("value"),
+            min_scale=self.gather("min_scale"),
+            max_scale=self.gather("max_scale"),
+            scale_dtype=layer.scale_dtype,
+            tensor_min=self.weight_min,
+            tensor_max=self.weight_max,
+            data_type=first.data_type,
+            q_scale_thresh=first.q_scale_thresh,
+            imatrix=None,  # the row-separable int quantizers ignore it
+            global_scale=None,
+            init_scale=None,
+            **quant_kwargs,
+        )
+        return weight_q.to(self.weight.dtype)
