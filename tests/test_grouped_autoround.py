@@ -50,12 +50,7 @@ PARAMS = ("value", "min_scale", "max_scale")
 DIRECTION = torch.nn.functional.normalize(torch.ones(HIDDEN), dim=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # ------------------------------------------------------------------ reference block

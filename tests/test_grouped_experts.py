@@ -34,12 +34,7 @@ from llmcompressor_parallel.engine.grouped_hessians import GroupedExpertHessians
 BACKENDS = ["grouped_mm", "bmm"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def tiny_block(

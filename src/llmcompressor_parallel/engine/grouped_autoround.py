@@ -47,6 +47,7 @@ from llmcompressor_parallel.engine.grouped_autoround_experts import (
 from llmcompressor_parallel.engine.grouped_autoround_qdq import has_hooks
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
+from llmcompressor_parallel.engine.hooks import GLOBAL_HOOK_DICTS
 
 __all__ = [
     "GroupedAutoRoundExperts",
@@ -60,12 +61,6 @@ _CT_QUANTIZED_FORWARD_CODES = tuple(
     c for c in set_forward_quantized.__code__.co_consts if isinstance(c, types.CodeType)
 )
 _PLAN_ATTR = "_llmc_parallel_grouped_plan"
-_GLOBAL_HOOK_DICTS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
 
 
 def _ct_quantization_active(module: nn.Module) -> bool:
@@ -187,7 +182,7 @@ def _call_reason(plan: _Plan, hidden_states: torch.Tensor) -> str | None:
         return "a hook is registered on an expert or one of its projections"
     if any(_patched_forward(m) for m in plan.called):
         return "an expert's or projection's forward is replaced (offloading, active quantization)"
-    if any(getattr(torch_module, name, None) for name in _GLOBAL_HOOK_DICTS):
+    if any(getattr(torch_module, name, None) for name in GLOBAL_HOOK_DICTS):
         return "global module hooks are registered"
     return None
 
