@@ -11,7 +11,6 @@ of identical integers and assert what holds: the layers' losses agree with stock
 """
 
 import pytest
-import torch
 
 from llmcompressor.modifiers.autoround import AutoRoundModifier
 from llmcompressor_parallel import DataParallelAutoRoundModifier

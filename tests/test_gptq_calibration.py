@@ -38,7 +38,7 @@ from llmcompressor_parallel.engine.worker_pool import ReplicaError, live_worker_
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
 from oneshot_runs import compare_checkpoints
-from tiny_models import calibration_data, load_saved_tensors, save_tiny_model, unpack_int4
+from tiny_models import calibration_data, load_saved_tensors, unpack_int4
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

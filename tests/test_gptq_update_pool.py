@@ -31,7 +31,7 @@ from llmcompressor_parallel.engine.worker_pool import (
     live_worker_threads,
 )
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
-from tiny_models import calibration_data, load_saved_tensors, save_tiny_model
+from tiny_models import calibration_data, load_saved_tensors
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

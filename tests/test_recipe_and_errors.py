@@ -1,10 +1,8 @@
 """Recipe YAML support, construction-time validation and refusals."""
 
 import datetime
-import os
 
 import pytest
-import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 

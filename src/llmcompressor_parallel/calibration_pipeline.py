@@ -57,7 +57,8 @@ from llmcompressor.utils.dev import get_main_device
 from llmcompressor.utils.helpers import DisableQuantization, calibration_forward_context
 from llmcompressor.utils.pytorch.module import infer_sequential_targets
 
-from llmcompressor_parallel.engine.calibration_hooks import firing_hooks, global_hooks
+from llmcompressor_parallel.engine.calibration_hooks import firing_hooks
+from llmcompressor_parallel.engine.hooks import global_hooks
 from llmcompressor_parallel.engine.calibration_onload import onloaded_as_plain_modules
 from llmcompressor_parallel.engine.calibration_replicas import SubgraphReplicas
 from llmcompressor_parallel.engine.replicate import NotReplicable
@@ -316,8 +317,9 @@ class _PassRunner:
             return "fewer than two calibration batches"
         if pool.closed:
             return "the device workers were stopped"
-        if global_hooks():
-            return "global module hooks are registered: " + "; ".join(global_hooks())
+        found = global_hooks()
+        if found:
+            return "global module hooks are registered: " + "; ".join(found)
         inside = {m for name in layer_names for m in self.model.get_submodule(name).modules()}
         named = ((self._names.get(m, ""), m) for m in subgraph.submodules(self.model))
         blocking = []

@@ -16,11 +16,10 @@ from typing import Any, Callable, Iterable
 
 from llmcompressor.modifiers.utils.hooks import HooksMixin
 from torch import nn
-from torch.nn.modules import module as torch_module
 
-from llmcompressor_parallel.engine.hooks import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
+from llmcompressor_parallel.engine.hooks import MODULE_HOOK_DICTS
 
-__all__ = ["ModuleHook", "firing_hooks", "global_hooks"]
+__all__ = ["ModuleHook", "firing_hooks"]
 
 def _code_objects(function: Callable) -> set[Any]:
     """Code objects of the functions defined inside `function` (HooksMixin's wrapper)."""
@@ -79,14 +78,4 @@ def firing_hooks(named_modules: Iterable[tuple[str, nn.Module]]) -> list[ModuleH
                 hook = ModuleHook(name, module, hook_dict.strip("_")[: -len("_hooks")], function)
                 if hook.fires_now():
                     found.append(hook)
-    return found
-
-
-def global_hooks() -> list[str]:
-    """Descriptions of global module hooks (torch.nn.modules.module.register_module_*)."""
-    found = []
-    for hook_dict in GLOBAL_HOOK_DICTS:
-        for hook in getattr(torch_module, hook_dict, {}).values():
-            name = getattr(hook, "__qualname__", None) or type(hook).__name__
-            found.append(f"{hook_dict.strip('_')} {name}")
     return found

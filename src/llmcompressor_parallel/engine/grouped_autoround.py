@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from loguru import logger
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from auto_round.wrapper import WrapperLinear
 from compressed_tensors.quantization import QuantizationStatus
@@ -44,10 +43,9 @@ from llmcompressor_parallel.engine.grouped_autoround_experts import (
     projections,
     wrapped_unsupported_reason,
 )
-from llmcompressor_parallel.engine.grouped_autoround_qdq import has_hooks
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
-from llmcompressor_parallel.engine.hooks import GLOBAL_HOOK_DICTS
+from llmcompressor_parallel.engine.hooks import global_hooks, has_hooks
 
 __all__ = [
     "GroupedAutoRoundExperts",
@@ -182,7 +180,7 @@ def _call_reason(plan: _Plan, hidden_states: torch.Tensor) -> str | None:
         return "a hook is registered on an expert or one of its projections"
     if any(_patched_forward(m) for m in plan.called):
         return "an expert's or projection's forward is replaced (offloading, active quantization)"
-    if any(getattr(torch_module, name, None) for name in GLOBAL_HOOK_DICTS):
+    if global_hooks():
         return "global module hooks are registered"
     return None
 

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from auto_round.wrapper import WrapperLinear
+from llmcompressor_parallel.engine.hooks import has_hooks
 
 __all__ = [
     "ROW_SEPARABLE_DATA_TYPES",
     "StackedQdq",
     "group_unsupported_reason",
-    "has_hooks",
     "wrapper_unsupported_reason",
 ]
 
@@ -33,16 +33,6 @@ __all__ = [
 # reshaped weight (one group): stacking rows of several weights cannot change a group
 ROW_SEPARABLE_DATA_TYPES = frozenset({"int_sym", "int_asym"})
 TUNING_PARAMS = ("value", "min_scale", "max_scale")
-
-
-def has_hooks(module: nn.Module) -> bool:
-    """Whether a hook would run when stock calls `module` (the grouped path calls none)."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-    )
 
 
 def wrapper_unsupported_reason(wrapper: nn.Module) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["GLOBAL_HOOK_DICTS", "MODULE_HOOK_DICTS", "foreign_hooks"]
+__all__ = ["GLOBAL_HOOK_DICTS", "MODULE_HOOK_DICTS", "foreign_hooks", "global_hooks", "has_hooks"]
 
 MODULE_HOOK_DICTS = (
     "_forward_hooks",
@@ -32,6 +32,20 @@ def _describe(hook: object) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run a hook registered on it."""
+    return any(getattr(module, hook_dict, None) for hook_dict in MODULE_HOOK_DICTS)
+
+
+def global_hooks() -> list[str]:
+    """Descriptions of global module hooks (torch.nn.modules.module.register_module_*)."""
+    return [
+        f"{hook_dict.strip('_')} {_describe(hook)}"
+        for hook_dict in GLOBAL_HOOK_DICTS
+        for hook in getattr(torch_module, hook_dict, {}).values()
+    ]
+
+
 def foreign_hooks(layer: nn.Module) -> list[str]:
     """Human-readable descriptions of hooks inside `layer` (its submodules) or global ones."""
     found = []
@@ -41,7 +55,4 @@ def foreign_hooks(layer: nn.Module) -> list[str]:
         for hook_dict in MODULE_HOOK_DICTS:
             for hook in getattr(module, hook_dict, {}).values():
                 found.append(f"{hook_dict.strip('_')} {_describe(hook)} on {name}")
-    for hook_dict in GLOBAL_HOOK_DICTS:
-        for hook in getattr(torch_module, hook_dict, {}).values():
-            found.append(f"{hook_dict.strip('_')} {_describe(hook)}")
-    return found
+    return found + global_hooks()

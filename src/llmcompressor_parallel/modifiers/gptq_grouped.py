@@ -52,7 +52,8 @@ from torch import nn
 
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor.modifiers.utils.hooks import HooksMixin
-from llmcompressor_parallel.engine.calibration_hooks import firing_hooks, global_hooks
+from llmcompressor_parallel.engine.calibration_hooks import firing_hooks
+from llmcompressor_parallel.engine.hooks import global_hooks
 from llmcompressor_parallel.engine.grouped_experts import (
     GroupedExperts,
     grouped_forward,
