@@ -22,7 +22,7 @@ from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor_parallel.engine.grouped_autoround_forward import ExpertStacks, experts_forward
 from llmcompressor_parallel.engine.grouped_autoround_qdq import StackedQdq, group_unsupported_reason
 from llmcompressor_parallel.engine.grouped_experts import _STOCK_EXPERT_FORWARDS, GroupedExperts
-from llmcompressor_parallel.engine.grouped_ops import Backend, resolve_backend
+from llmcompressor_parallel.engine.grouped_ops import Backend
 
 __all__ = [
     "QuantizedGroupedExperts",
@@ -158,28 +158,12 @@ class QuantizedGroupedExperts(StockOrderGroupedExperts):
     :param all_tokens: as `StockOrderGroupedExperts`
     """
 
-    def __init__(
-        self,
-        experts: LinearExperts2D,
-        device: torch.device | str | None = None,
-        backend: Backend = "auto",
-        all_tokens: bool = True,
-    ) -> None:
-        # GroupedExperts.__init__ refuses wrapped projections: same fields, our check
-        reason = wrapped_unsupported_reason(experts)
-        if reason is not None:
-            raise ValueError(f"cannot run these wrapped experts grouped: {reason}")
-        self.experts = experts
-        self.num_experts = experts.num_experts
-        self.has_gate = experts.has_gate
-        first = experts[0]
-        weight = first.up_proj.weight
-        self.device = torch.device(device) if device is not None else weight.device
-        self.dtype = weight.dtype
-        self.activation = first._apply_gate if self.has_gate else first.act_fn
-        self.backend = resolve_backend(backend, self.device, self.dtype)
-        self.all_tokens = all_tokens
-        self.refresh()
+    KIND = "wrapped experts"
+
+    @staticmethod
+    def unsupported_reason(experts: nn.Module) -> str | None:
+        """GroupedExperts refuses wrapped projections; these need auto-round's wrappers."""
+        return wrapped_unsupported_reason(experts)
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -81,15 +81,22 @@ class GroupedExperts:
     :param backend: "auto", "grouped_mm" or "bmm" (grouped_ops.py)
     """
 
+    KIND = "experts"  # for the error message
+
+    @staticmethod
+    def unsupported_reason(experts: nn.Module) -> str | None:
+        """The support check; subclasses that accept other experts override it."""
+        return unsupported_reason(experts)
+
     def __init__(
         self,
         experts: LinearExperts2D,
         device: torch.device | str | None = None,
         backend: Backend = "auto",
     ) -> None:
-        reason = unsupported_reason(experts)
+        reason = self.unsupported_reason(experts)
         if reason is not None:
-            raise ValueError(f"cannot run these experts grouped: {reason}")
+            raise ValueError(f"cannot run these {self.KIND} grouped: {reason}")
         self.experts = experts
         self.num_experts: int = experts.num_experts
         self.has_gate: bool = experts.has_gate
