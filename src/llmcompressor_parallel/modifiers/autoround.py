@@ -131,8 +131,12 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             return self._pool is not None
         return self.keep_cache_on_gpu
 
+    def _wraps_quantize_block(self) -> bool:
+        """Whether auto-round's per-layer call runs inside a fan-out or grouped experts."""
+        return self._pool is not None or self.grouped_experts
+
     def apply_autoround(self, state: State, modules: list[nn.Module]):
-        if self._pool is None and not self._keeps_cache_on_gpu() and not self.grouped_experts:
+        if not self._wraps_quantize_block() and not self._keeps_cache_on_gpu():
             return super().apply_autoround(state, modules)
         layers = [m for m in (modules or []) if self._is_decoding_layer(m)]
         try:
@@ -172,9 +176,9 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         def adapted_autoround(*args: Any, **kwargs: Any) -> Any:
             if modifier._keeps_cache_on_gpu():
                 kwargs["low_gpu_mem_usage"] = False
-            pool = modifier._pool
-            if pool is None and not modifier.grouped_experts:
+            if not modifier._wraps_quantize_block():
                 return real_factory(*args, **kwargs)
+            pool = modifier._pool
             compile_replicas = pool is not None and bool(kwargs.get("enable_torch_compile"))
             if pool is not None:
                 kwargs["enable_torch_compile"] = False  # never compile the fan-out itself
