@@ -1,12 +1,14 @@
-"""Stock AutoRoundModifier on 1 GPU vs DataParallelAutoRoundModifier on N GPUs, one run.
+"""Stock AutoRoundModifier on 1 GPU vs DataParallelAutoRoundModifier on 1..N GPUs, one run.
 
 Random-weight layers at real shapes (Llama-3-8B dense, Qwen3-30B-A3B MoE), the same
 calibration tokens for every configuration. Prints one JSON line per configuration
 (per-layer time, speedup over stock, per-phase times, final block losses, peak
-memory per GPU, agreement of the saved checkpoint with stock) and writes a PNG.
+memory per GPU, agreement of the saved checkpoint with stock) and writes a PNG. `--gpus 1` runs ours on one GPU (`data_parallel="off"`):
+what grouped experts alone give on an MoE layer.
 
-    python bench/bench_autoround.py --shapes llama3-8b qwen3-30b-a3b --gpus 2 4 \
+    python bench/bench_autoround.py --shapes llama3-8b --gpus 2 4 \
         --samples 128 --seq-len 2048 --iters 50 --out bench/out
+    python bench/bench_autoround.py --shapes qwen3-30b-a3b --gpus 1 2 --layers 1 --out bench/out
 """
 
 from __future__ import annotations
@@ -32,17 +34,31 @@ from report import emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 
 
-def _modifier(gpus: int, args: argparse.Namespace, keep_cache: bool = False):
+CACHE_CHOICES = {"default": None, "off": False, "on": True}
+
+
+def _cache_suffix(gpus: int, keep_cache: bool | None) -> str:
+    """How the config is named: "-gpucache" when auto-round's caches stay on the GPU."""
+    on = gpus > 1 if keep_cache is None else keep_cache
+    return "-gpucache" if on else ""
+
+
+def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | None = None):
+    """gpus=None: stock; else ours on that many devices (1: data_parallel="off")."""
     common = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"],
                   iters=args.iters, batch_size=args.batch_size, enable_torch_compile=False)
-    if gpus == 1:
+    if gpus is None:
         return AutoRoundModifier(**common)
-    return DataParallelAutoRoundModifier(data_parallel=["cpu"] * gpus if args.cpu else gpus,
-                                         keep_cache_on_gpu=keep_cache, **common)
+    if gpus == 1:
+        data_parallel = "off"
+    else:
+        data_parallel = ["cpu"] * gpus if args.cpu else gpus
+    return DataParallelAutoRoundModifier(data_parallel=data_parallel, keep_cache_on_gpu=keep_cache,
+                                         grouped_experts=not args.no_grouped, **common)
 
 
-def _run(model_dir: Path, gpus: int, args: argparse.Namespace, save_dir: Path | None,
-         keep_cache: bool = False) -> tuple[PhaseTimer, float]:
+def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: Path | None,
+         keep_cache: bool | None = None) -> tuple[PhaseTimer, float]:
     timer = PhaseTimer()
     reset_peak_memory()
     torch.manual_seed(0)
@@ -72,8 +88,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--work", default=None, help="folder for models and checkpoints")
-    parser.add_argument("--keep-cache-on-gpu", action="store_true",
-                        help="also run ours with keep_cache_on_gpu=True")
+    parser.add_argument("--cache", nargs="+", choices=list(CACHE_CHOICES), default=["default"],
+                        help="keep_cache_on_gpu of ours: default (the modifier's: on when data-parallel), "
+                             "off, on; several run one after another")
+    parser.add_argument("--no-grouped", action="store_true", help="ours without grouped experts")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -83,33 +101,34 @@ def main() -> None:
     for shape in args.shapes:
         model_dir = save_random_model(shape, args.layers, work / shape)
         stock_seconds = None
-        configs = [(1, False), *[(g, False) for g in args.gpus]]
-        if args.keep_cache_on_gpu:
-            configs += [(g, True) for g in args.gpus]
+        configs = [(None, False), *[(g, CACHE_CHOICES[c]) for c in args.cache for g in args.gpus]]
         for gpus, keep_cache in configs:
-            if not args.cpu and gpus > torch.cuda.device_count():
-                emit({"shape": shape, "config": f"ours-{gpus}gpu", "skipped": "not enough GPUs"}, out)
+            name = "stock-1gpu" if gpus is None else f"ours-{gpus}gpu" + _cache_suffix(gpus, keep_cache)
+            if gpus is not None and not args.cpu and gpus > torch.cuda.device_count():
+                emit({"shape": shape, "config": name, "skipped": "not enough GPUs"}, out)
                 continue
-            name = "stock-1gpu" if gpus == 1 else f"ours-{gpus}gpu" + ("-gpucache" if keep_cache else "")
             save_dir = work / f"{shape}-{name}"
             timer, total = _run(model_dir, gpus, args, save_dir, keep_cache)
             layer = timer.layers[-1]  # the last layer: warm, steady state
             seconds = layer["capture"] + layer["layer_work"]
             record = {
                 "bench": "autoround", "shape": shape, "config": name,
-                "gpus": gpus, "samples": args.samples, "seq_len": args.seq_len, "iters": args.iters,
+                "gpus": gpus or 1, "samples": args.samples, "seq_len": args.seq_len, "iters": args.iters,
                 "seconds_per_layer": round(seconds, 3),
                 "phases": {k: round(v, 3) for k, v in layer.items()},
                 "all_layers": [{k: round(v, 3) for k, v in l.items()} for l in timer.layers],
                 "block_losses": timer.losses, "total_seconds": round(total, 1),
                 "peak_memory_gib": peak_memory_gib(),
             }
-            if gpus == 1:
-                stock_seconds, stock_tuning = seconds, layer.get("tuning", 0.0)
+            if gpus is None:
+                stock_seconds, stock_tuning, stock_layer = seconds, layer.get("tuning", 0.0), layer
             else:
                 record["speedup"] = round(stock_seconds / seconds, 3)
                 record["tuning_speedup"] = round(stock_tuning / max(layer.get("tuning", 1e-9), 1e-9), 3)
+                record["phase_speedups"] = {k: round(stock_layer[k] / max(layer.get(k, 1e-9), 1e-9), 3)
+                                            for k in stock_layer}
                 record["parallel_efficiency"] = round(record["tuning_speedup"] / gpus, 3)
+                record["keep_cache_on_gpu"] = keep_cache
                 record["vs_stock_checkpoint"] = _agreement(work / f"{shape}-stock-1gpu", save_dir)
             emit(record, out)
             records.append(record)
