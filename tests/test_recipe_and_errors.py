@@ -3,6 +3,7 @@
 import datetime
 
 import pytest
+import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
@@ -55,6 +56,8 @@ def test_bad_knobs_fail_at_construction(field, value, fragment):
 
 
 def test_active_process_group_is_refused_with_a_reason(tmp_path):
+    """AutoRound refuses torchrun (auto-round's own DDP); GPTQ resolves the rank's devices."""
+    from llmcompressor_parallel import ParallelGPTQExpertModifier
     from llmcompressor_parallel.modifiers.data_parallel_options import refuse_active_process_group
 
     dist.init_process_group(
@@ -71,5 +74,41 @@ def test_active_process_group_is_refused_with_a_reason(tmp_path):
             modifier.resolve_parallel_devices()
         off = DataParallelAutoRoundModifier(scheme="W4A16", targets="Linear")
         assert off.resolve_parallel_devices() is None  # "off" composes with DDP as stock does
+
+        def gptq(data_parallel):
+            return ParallelGPTQExpertModifier(
+                scheme="W4A16", targets="Linear", data_parallel=data_parallel
+            )
+
+        assert gptq(["cpu", "cpu"]).resolve_parallel_devices() == [torch.device("cpu")] * 2
+        assert gptq("off").resolve_parallel_devices() is None
+        if not torch.cuda.is_available():
+            assert gptq("auto").resolve_parallel_devices() is None  # no GPU: serial
+            with pytest.raises(ValueError, match="local rank 0 of 1 is dealt 0"):
+                gptq(2).resolve_parallel_devices()
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_are_dealt_disjoint_gpus_including_their_own():
+    from llmcompressor_parallel.engine.rank_devices import dealt_gpus
+
+    assert dealt_gpus(8, 0, 1) == list(range(8))  # one rank per node: every GPU
+    assert [dealt_gpus(8, rank, 2) for rank in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dealt_gpus(8, 3, 8) == [3]
+    with pytest.raises(ValueError, match="outside LOCAL_WORLD_SIZE"):
+        dealt_gpus(8, 2, 2)
+
+
+def test_ranks_sharing_a_gpu_are_named():
+    from llmcompressor_parallel.engine.rank_devices import RankGPUs, shared_gpus
+
+    ranks = [
+        RankGPUs("node-a", ["GPU-0", "GPU-1"], ["cuda:0", "cuda:1"]),
+        RankGPUs("node-a", ["GPU-1", "GPU-2"], ["cuda:1", "cuda:2"]),
+        RankGPUs("node-b", ["GPU-0", "GPU-1"], ["cuda:0", "cuda:1"]),  # another host
+    ]
+    assert shared_gpus(ranks) == [
+        "ranks 0 (['cuda:0', 'cuda:1']) and 1 (['cuda:1', 'cuda:2']) on host node-a share GPU GPU-1"
+    ]
+    assert shared_gpus(ranks[:1] + ranks[2:]) == []

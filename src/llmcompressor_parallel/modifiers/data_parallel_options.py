@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from compressed_tensors.offload.dist_utils import is_distributed
 from loguru import logger
 from pydantic import BaseModel, field_validator
 
@@ -13,14 +14,25 @@ from llmcompressor_parallel.engine.devices import (
     resolve_devices,
     validate_data_parallel,
 )
+from llmcompressor_parallel.engine.rank_devices import (
+    check_disjoint_across_ranks,
+    resolve_rank_devices,
+)
 
 __all__ = ["DataParallelOptions", "refuse_active_process_group"]
 
 
 class DataParallelOptions(BaseModel):
-    """Mixin of pydantic fields: which devices run the replicas."""
+    """Mixin of pydantic fields: which devices run the replicas.
+
+    `composes_with_torch_distributed`: whether the modifier's data parallelism runs
+    inside one rank of an active process group (over that rank's devices,
+    `engine.rank_devices`) or is refused there.
+    """
 
     data_parallel: DataParallelSpec = "off"
+
+    composes_with_torch_distributed: ClassVar[bool] = False
 
     @field_validator("data_parallel", mode="before")
     @classmethod
@@ -28,26 +40,47 @@ class DataParallelOptions(BaseModel):
         return validate_data_parallel(value)
 
     def resolve_parallel_devices(self) -> list[torch.device] | None:
-        devices = resolve_devices(self.data_parallel)
+        """This process's devices (this rank's, under torch.distributed), or None: serial.
+
+        Under an active process group this is collective for modifiers that compose
+        with it: call it on every rank.
+        """
+        if is_distributed() and self.composes_with_torch_distributed:
+            devices = resolve_rank_devices(self.data_parallel)
+            check_disjoint_across_ranks(devices)
+        else:
+            devices = resolve_devices(self.data_parallel)
+            if devices is not None:
+                refuse_active_process_group(type(self).__name__)
         if devices is not None:
-            refuse_active_process_group()
+            rank = f"rank {torch.distributed.get_rank()}: " if is_distributed() else ""
             logger.info(
-                "{}: data-parallel over {} devices: {}",
+                "{}: {}data-parallel over {} devices: {}",
                 type(self).__name__,
+                rank,
                 len(devices),
                 ", ".join(str(device) for device in devices),
             )
         return devices
 
 
-def refuse_active_process_group() -> None:
-    """In-process data parallelism and torchrun's one-process-per-GPU do not mix yet."""
+def refuse_active_process_group(modifier: str = "this modifier") -> None:
+    """For modifiers whose in-process fan-out is not verified to compose with torchrun.
+
+    `DataParallelAutoRoundModifier`: under torch.distributed auto-round tunes each
+    block under its own DDP (a reducer that all-reduces the block's gradients across
+    ranks) and spreads a block over a rank's GPU group itself; replicas summing
+    their gradients into the block behind that reducer have not been verified.
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise RuntimeError(
-            "data_parallel cannot be combined with an active torch.distributed "
-            f"process group (world size {torch.distributed.get_world_size()}): under "
-            "torchrun every rank already owns its GPU(s), and fanning a layer out "
-            "inside a rank would need the ranks' GPU sets agreed beforehand. Either "
-            "run one ordinary process with data_parallel to use every GPU, or keep "
-            'torchrun and set data_parallel="off".'
+            f"{modifier}: data_parallel cannot be combined with an active "
+            f"torch.distributed process group (world size "
+            f"{torch.distributed.get_world_size()}): under torchrun auto-round "
+            "synchronises each block's gradients across ranks itself (DDP), and the "
+            "in-process fan-out has not been verified behind that. Either run one "
+            'ordinary process with data_parallel to use every GPU, or keep torchrun, '
+            'set data_parallel="off", and give each rank a GPU group the stock way '
+            "(LLMCOMPRESSOR_GPUS_PER_GROUP). ParallelGPTQExpertModifier does compose "
+            "with torchrun."
         )

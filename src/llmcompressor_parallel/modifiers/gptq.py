@@ -22,6 +22,15 @@ experts run grouped in the calibration and propagation forwards (stacked weights
 batched matmuls, Hessians of all experts in a few batched kernels), serially and in
 data-parallel passes alike; `gptq_grouped` says what runs grouped when and when
 stock's per-expert loop runs instead.
+
+torch.distributed (torchrun, llm-compressor's DDP mode): stock's `compress_modules`
+stays in charge: it reduces each module's Hessian to the rank that bin-packing
+assigned it to, calls `compress_module_list` with that rank's modules (here: the
+update pool over this rank's `data_parallel` devices, `engine.rank_devices`), and
+broadcasts the results. Each rank's calibration forwards run data-parallel over its
+devices under "parallel_sequential" as in one process; the partials are merged
+inside the rank before stock's reduction. Added to stock: a barrier after each
+layer's updates when a module executes on CPU (see `compress_modules`).
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ import contextlib
 import functools
 import time
 from collections import Counter
-from typing import Any, Callable, ContextManager, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 from compressed_tensors.offload import disable_offloading
+from compressed_tensors.offload.dist_utils import is_distributed
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.utils import get_execution_device, getattr_chain
 from loguru import logger
@@ -75,7 +86,9 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
 
     :param data_parallel: "off" (default: exactly the stock modifier), "auto" (all
         visible GPUs), an int N >= 2 (cuda:0..N-1) or a list of device strings
-        (["cuda:0", "cuda:2"], or ["cpu", "cpu"] for testing without a GPU)
+        (["cuda:0", "cuda:2"], or ["cpu", "cpu"] for testing without a GPU);
+        under torch.distributed, this rank's devices ("auto" and N: the host's GPUs
+        dealt out over its ranks; a list is the rank's own; `engine.rank_devices`)
     :param grouped_experts: True (default): llm-compressor's linearised MoE experts
         (`LinearExperts2D`) run grouped in the calibration and propagation forwards:
         each layer's expert weights stacked on the execution device when the layer
@@ -91,6 +104,8 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     """
 
     grouped_experts: bool = True
+
+    composes_with_torch_distributed: ClassVar[bool] = True
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -238,6 +253,25 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         return super().calibrate_module(module, args, _output)
 
     # ------------------------------------------------------------ the updates
+    def compress_modules(self) -> None:
+        """Stock's (rank assignment, Hessian reduction, broadcast), then a barrier if needed.
+
+        Stock broadcasts a rank's results only for modules that execute on an
+        accelerator: CPU-executed modules live in memory shared by the ranks
+        (compressed-tensors' `DistributedCPUCache`), which the owning rank writes.
+        Nothing then waits for those writes, so a rank can start propagating (or
+        the next layer) with another rank's modules of this layer not yet written,
+        and runs differ from each other. The barrier makes every rank wait for them;
+        it changes no arithmetic. Every rank decides alike (same modules, same
+        execution devices), so the collective is matched.
+        """
+        cpu_executed = is_distributed() and any(
+            torch.device(get_execution_device(module)).type == "cpu" for module in self._hessians
+        )
+        super().compress_modules()
+        if cpu_executed:
+            dist.barrier()
+
     def compress_module_list(self, module_list: list[nn.Module]) -> None:
         """Stock batches, run on the pool; written back only once all succeeded."""
         if self._pool is None:
