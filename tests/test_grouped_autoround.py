@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from compressed_tensors.offload.cache.base import OffloadCache
 from compressed_tensors.offload.module import remove_module_offload
+from loguru import logger
 from oneshot_runs import AUTOROUND_ARGS
 from tiny_models import (
     calibration_data,
@@ -39,7 +41,11 @@ from llmcompressor.modeling.moe.context import moe_calibration_context
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor.modifiers.autoround import AutoRoundModifier
 from llmcompressor.modifiers.autoround.base import _wrap_decoding_layer
+from llmcompressor_parallel import DataParallelAutoRoundModifier
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
+from llmcompressor_parallel.engine import expert_tokens
+from llmcompressor_parallel.engine import grouped_autoround_forward as grouped_forward_module
+from llmcompressor_parallel.engine.grouped_autoround_forward import ExpertStacks, experts_forward
 from llmcompressor_parallel.engine.grouped_autoround import (
     GroupedAutoRoundExperts,
     wrapped_unsupported_reason,
@@ -190,6 +196,16 @@ def gradient_errors(figures: dict[str, float]) -> float:
     return max(v for k, v in figures.items() if k.startswith("grad "))
 
 
+@contextlib.contextmanager
+def log_lines():
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
+    try:
+        yield lines
+    finally:
+        logger.remove(sink)
+
+
 # ------------------------------------------------------------------ tests
 PRECISIONS = {  # name: (weight dtype, autocast bf16)
     "fp32": (torch.float32, False),
@@ -235,6 +251,107 @@ def test_routed_tokens_only_in_all_experts_mode(precision):
     show(f"all_tokens=False {precision}", figures)
     assert figures["output"] < (1e-2 if amp else 1e-5)
     assert gradient_errors(figures) < (5e-2 if amp else 1e-4)
+
+
+def _all_tokens_calls(monkeypatch) -> list[int]:
+    """Counts the grouped forward's all-tokens path (every expert on every token)."""
+    calls: list[int] = []
+    real = grouped_forward_module._all_tokens
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grouped_forward_module, "_all_tokens", counted)
+    return calls
+
+
+def test_auto_token_mode_follows_free_memory(monkeypatch):
+    """all_tokens="auto": all tokens where the estimate fits free memory, else routed
+    with one log line; each is bit for bit the fixed mode it picked."""
+    block = wrapped_block(top_k=4, dtype=torch.bfloat16)
+    x = inputs()
+    fixed = {mode: run(block, x, grouped={"all_tokens": mode}) for mode in (True, False)}
+    calls = _all_tokens_calls(monkeypatch)
+    figures = {}
+    for free, expected in ((2**40, True), (0, False)):
+        monkeypatch.setattr(expert_tokens, "free_bytes", lambda device, free=free: free)
+        calls.clear()
+        with log_lines() as lines:
+            picked = run(block, x, grouped={"all_tokens": "auto"})
+        assert bool(calls) is expected
+        assert torch.equal(picked[0], fixed[expected][0])
+        assert all(
+            torch.equal(a, b) for name in PARAMS
+            for a, b in zip(picked[1][name], fixed[expected][1][name])
+        )
+        routed_lines = [line for line in lines if "routed tokens only" in line]
+        assert len(routed_lines) == (0 if expected else 1)
+        figures[free] = routed_lines
+    print("\n" + figures[0][0].strip())
+    with pytest.raises(ValueError, match="allowed"):
+        GroupedAutoRoundExperts(block, all_tokens="routed")
+
+
+def test_all_tokens_estimate_bounds_the_measured_peak():
+    """The estimate errs high, by less than 2x, against the call's measured CPU peak."""
+    experts, tokens, hidden, intermediate, top_k = 8, 8192, 256, 128, 2
+    generator = torch.Generator().manual_seed(0)
+
+    def weights(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.05).bfloat16().requires_grad_()
+
+    stacks = ExpertStacks(
+        [weights(experts, hidden, intermediate), weights(experts, hidden, intermediate)],
+        weights(experts, intermediate, hidden),
+    )
+    x = torch.randn(tokens, hidden, generator=generator).bfloat16().requires_grad_()
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k]
+                         for _ in range(tokens)])
+    routing_weights = torch.rand(tokens, top_k, generator=generator).bfloat16()
+
+    def activation(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = experts_forward(x, index, routing_weights, stacks, activation, "bmm", True, True)
+        out.float().sum().backward()
+    records = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    current = peak = 0
+    for _, change in records:
+        current += change
+        peak = max(peak, current)
+    estimate = expert_tokens.all_tokens_bytes(experts, tokens, hidden, intermediate, True, 2)
+    print(f"\nall-tokens call: measured peak {peak / 2**20:.1f} MiB, "
+          f"estimate {estimate / 2**20:.1f} MiB")
+    assert peak <= estimate < 2 * peak
+
+
+def test_modifier_token_modes_reach_the_tuning_forward(monkeypatch, tmp_path):
+    """grouped_expert_tokens: "routed" never runs all tokens, "all" does, "auto" with
+    no free memory falls back to routed (logged)."""
+    model = save_tiny_model("moe", tmp_path / "model")
+    calls = _all_tokens_calls(monkeypatch)
+    monkeypatch.setattr(expert_tokens, "free_bytes", lambda device: 0)
+    counts = {}
+    for mode in ("all", "routed", "auto"):
+        calls.clear()
+        with log_lines() as lines:
+            oneshot(
+                model=str(model), dataset=calibration_data(8, 16),
+                output_dir=str(tmp_path / mode), num_calibration_samples=8, max_seq_length=16,
+                recipe=DataParallelAutoRoundModifier(
+                    iters=2, grouped_expert_tokens=mode, **AUTOROUND_ARGS
+                ),
+            )
+        counts[mode] = (len(calls), sum("routed tokens only" in line for line in lines))
+    print(f"\nall-tokens calls, routed-fallback log lines per mode: {counts}")
+    assert counts["all"][0] > 0 and counts["routed"][0] == 0 and counts["auto"] == (0, 2)
 
 
 @pytest.mark.parametrize(

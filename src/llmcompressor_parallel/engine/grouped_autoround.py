@@ -12,7 +12,9 @@ each experts module of the layer runs as:
   stay each wrapper's own, so auto-round's loop, optimizer and unwrapping are
   untouched.
 - plain Linears (reference outputs before wrapping, quantized-input chain after
-  unwrapping): `StockOrderGroupedExperts`, the same grouped forward without qdq.
+  unwrapping; and the sequential pipeline's calibration pass, where every module
+  carries compressed-tensors' offloading wrapper, reproduced here):
+  `StockOrderGroupedExperts`, the same grouped forward without qdq.
 - anything else, or a call the grouped path cannot reproduce exactly: the stock loop,
   with one log line per module and reason.
 
@@ -35,7 +37,13 @@ from torch import nn
 from auto_round.wrapper import WrapperLinear
 from compressed_tensors.quantization import QuantizationStatus
 from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
+from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+from llmcompressor_parallel.engine.expert_tokens import (
+    TokenMode,
+    all_tokens_bytes,
+    choose_all_tokens,
+)
 from llmcompressor_parallel.engine.grouped_autoround_experts import (
     QuantizedGroupedExperts,
     StockOrderGroupedExperts,
@@ -43,9 +51,17 @@ from llmcompressor_parallel.engine.grouped_autoround_experts import (
     projections,
     wrapped_unsupported_reason,
 )
+from llmcompressor_parallel.engine.grouped_autoround_forward import _compute_dtype
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
 from llmcompressor_parallel.engine.hooks import global_hooks, has_hooks
+from llmcompressor_parallel.engine.offload_forward import (
+    is_offload_wrapper,
+    offload_inner_forward,
+    offload_onload_device,
+    same_device,
+    send_like_offload,
+)
 
 __all__ = [
     "GroupedAutoRoundExperts",
@@ -75,24 +91,34 @@ def _ct_quantization_active(module: nn.Module) -> bool:
     return bool(scheme.input_activations or scheme.output_activations or weights)
 
 
+def _runs_own_forward(module: nn.Module, func: Any) -> bool:
+    """Whether calling `func(module, ...)` computes what the class's forward computes."""
+    own = type(module).forward
+    if func is own:
+        return True
+    if getattr(func, "__code__", None) in _CT_QUANTIZED_FORWARD_CODES:
+        return getattr(func, "__wrapped__", None) is own and not _ct_quantization_active(module)
+    return False
+
+
 def _patched_forward(module: nn.Module) -> bool:
     """Whether calling `module` would run something else than its class's forward.
 
     Harmless, and not counted: a bound method of the class's forward on the instance
     itself (what removing compressed-tensors' offloading leaves; FanOut re-points it),
-    and compressed-tensors' `quantized_forward` while quantization is off.
+    compressed-tensors' `quantized_forward` while quantization is off, and
+    compressed-tensors' offloading wrapper around either (the sequential pipeline's
+    passes; its input move is reproduced or checked: `_Site.forward`, `_call_reason`).
     """
     forward = module.__dict__.get("forward")
     if forward is None:
         return False
+    inner = offload_inner_forward(module)
+    if inner is not None:
+        return not _runs_own_forward(module, inner)
     if not isinstance(forward, types.MethodType) or forward.__self__ is not module:
         return True
-    func, own = forward.__func__, type(module).forward
-    if func is own:
-        return False
-    if func.__code__ in _CT_QUANTIZED_FORWARD_CODES and getattr(func, "__wrapped__", None) is own:
-        return _ct_quantization_active(module)
-    return True
+    return not _runs_own_forward(module, forward.__func__)
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
@@ -117,6 +143,7 @@ class _Plan:
     hooked: list[nn.Module] = field(default_factory=list)  # whose hooks stock would run
     called: list[nn.Module] = field(default_factory=list)  # whose forwards stock would call
     fingerprint: tuple = ()
+    tokens_decided: bool = False  # all_tokens="auto": the runner's all_tokens is chosen
 
     def frozen_tensors(self) -> list[torch.Tensor]:
         runner = self.runner
@@ -139,7 +166,9 @@ def _plan_key(modules: list[nn.Module]) -> tuple:
     return (*map(id, modules), device)
 
 
-def _build_plan(experts: LinearExperts2D, key: tuple, backend: Backend, all_tokens: bool) -> _Plan:
+def _build_plan(
+    experts: LinearExperts2D, key: tuple, backend: Backend, all_tokens: TokenMode
+) -> _Plan:
     projs = projections(experts)
     mlps = experts_list(experts)
     if all(type(p) is WrapperLinear for p in projs):
@@ -147,7 +176,7 @@ def _build_plan(experts: LinearExperts2D, key: tuple, backend: Backend, all_toke
         if reason is not None:
             return _Plan(experts, key, None, reason)
         runner: StockOrderGroupedExperts = QuantizedGroupedExperts(
-            experts, backend=backend, all_tokens=all_tokens
+            experts, backend=backend, all_tokens=all_tokens is not False
         )
         # WrapperLinear runs its Linear's hooks itself, but never the Linear's forward
         called = mlps + projs
@@ -156,7 +185,9 @@ def _build_plan(experts: LinearExperts2D, key: tuple, backend: Backend, all_toke
         reason = unsupported_reason(experts)
         if reason is not None:
             return _Plan(experts, key, None, reason)
-        runner = StockOrderGroupedExperts(experts, backend=backend, all_tokens=all_tokens)
+        runner = StockOrderGroupedExperts(
+            experts, backend=backend, all_tokens=all_tokens is not False
+        )
         called = hooked = mlps + projs
     else:
         reason = "projections are neither all plain Linears nor all auto-round WrapperLinears"
@@ -179,7 +210,17 @@ def _call_reason(plan: _Plan, hidden_states: torch.Tensor) -> str | None:
     if any(has_hooks(m) for m in plan.hooked):
         return "a hook is registered on an expert or one of its projections"
     if any(_patched_forward(m) for m in plan.called):
-        return "an expert's or projection's forward is replaced (offloading, active quantization)"
+        return "an expert's or projection's forward is replaced (active quantization, a patch)"
+    elsewhere = {
+        str(device)
+        for device in map(offload_onload_device, plan.called)
+        if device is not None and not same_device(device, runner.device)
+    }
+    if elsewhere:
+        return (
+            f"expert modules onload their inputs to {', '.join(sorted(elsewhere))}, "
+            f"the stacks are on {runner.device}"
+        )
     if global_hooks():
         return "global module hooks are registered"
     return None
@@ -208,6 +249,9 @@ class _Site:
         self.home = home
         self.name = name
         self.saved_forward = home.__dict__.get("forward", _MISSING)
+        # the sequential pipeline's passes: compressed-tensors' offloading wrapper, whose
+        # input move the grouped call makes itself
+        self.offload_wrapped = is_offload_wrapper(home, self.saved_forward)
 
     def stock_forward(self, experts: nn.Module) -> Callable[..., torch.Tensor]:
         if experts is self.home and self.saved_forward is not _MISSING:
@@ -224,6 +268,22 @@ class _Site:
         elif plan.runner is not None:
             plan.refresh_if_changed()
         return plan
+
+    def choose_tokens(self, plan: _Plan, hidden_states: torch.Tensor) -> None:
+        """all_tokens="auto", at the first call that would run all tokens: decide by memory."""
+        if not (torch.is_grad_enabled() and get_calibrate_all_experts_flag()):
+            return  # no-grad passes and routed mode run routed tokens anyway
+        runner = plan.runner
+        needed = all_tokens_bytes(
+            runner.num_experts, hidden_states.shape[0], runner.hidden_size,
+            runner.intermediate_size, runner.has_gate, _compute_dtype(hidden_states).itemsize,
+        )
+        runner.all_tokens, why = choose_all_tokens(needed, runner.device)
+        plan.tokens_decided = True
+        if runner.all_tokens:
+            logger.debug("{}: experts tuned on every token: {}", self.name, why)
+        else:
+            self.owner._log_once(self.name, f"experts tuned on routed tokens only: {why}")
 
     def release(self) -> None:
         """Give the home its forward back and drop its stacks."""
@@ -246,7 +306,13 @@ class _Site:
             self.owner._count(stock=True, name=self.name, reason=reason)
             return self.stock_forward(experts)(hidden_states, top_k_index, top_k_weights)
         self.owner._count(stock=False)
+        if experts is self.home and self.offload_wrapped:
+            hidden_states, top_k_index, top_k_weights = send_like_offload(
+                experts, hidden_states, top_k_index, top_k_weights
+            )
         runner = plan.runner
+        if self.owner.all_tokens == "auto" and not plan.tokens_decided:
+            self.choose_tokens(plan, hidden_states)
         runner.backend = _call_backend(plan, hidden_states)
         device = runner.device
         output = runner.forward(
@@ -265,15 +331,25 @@ class GroupedAutoRoundExperts:
     :param layer: the decoder layer (or any module) holding `LinearExperts2D` modules
     :param name: how the layer is called in log lines
     :param backend: segment-matmul kernel, "auto", "grouped_mm" or "bmm" (grouped_ops.py)
-    :param all_tokens: in llm-compressor's all-experts mode (oneshot's default), run
-        every wrapped expert on every token as stock does, so that gradients are
-        summed as stock sums them (bit-identical on CPU); False: routed tokens only,
-        top_k/num_experts of the FLOPs, same math up to floating-point order
+    :param all_tokens: in llm-compressor's all-experts mode (oneshot's default), when
+        gradients are needed: True runs every wrapped expert on every token as stock
+        does, so that gradients are summed as stock sums them (bit-identical on small
+        CPU shapes), with [experts, tokens, hidden] transients; False routed tokens
+        only, top_k/num_experts of the FLOPs and memory, same math up to
+        floating-point order; "auto" True where the estimated transients fit the
+        device's free memory at each experts module's first such call (expert_tokens.py),
+        else False with a log line
     """
 
     def __init__(
-        self, layer: nn.Module, name: str = "", backend: Backend = "auto", all_tokens: bool = True
+        self,
+        layer: nn.Module,
+        name: str = "",
+        backend: Backend = "auto",
+        all_tokens: TokenMode = True,
     ) -> None:
+        if not (isinstance(all_tokens, bool) or all_tokens == "auto"):
+            raise ValueError(f"all_tokens={all_tokens!r}; allowed: True, False, 'auto'")
         self.layer = layer
         self.name = name or type(layer).__name__
         self.backend = backend
@@ -290,7 +366,7 @@ class GroupedAutoRoundExperts:
             if not isinstance(module, LinearExperts2D):
                 continue
             name = f"{self.name}.{module_name}" if module_name else self.name
-            if _patched_forward(module):  # e.g. offloading still on: keep what it does
+            if _patched_forward(module):  # someone else's forward: keep what it does
                 logger.info("{}: experts run the stock per-expert loop: its forward is "
                             "replaced by {!r}", name, module.__dict__["forward"])
                 continue
@@ -311,10 +387,14 @@ class GroupedAutoRoundExperts:
                 self.grouped_calls += 1
                 return
             self.stock_calls += 1
-            first = (name, reason) not in self._logged
-            self._logged.add((name, reason))
+        self._log_once(name, f"experts run the stock per-expert loop: {reason}")
+
+    def _log_once(self, name: str, message: str) -> None:
+        with self._lock:
+            first = (name, message) not in self._logged
+            self._logged.add((name, message))
         if first:
-            logger.info("{}: experts run the stock per-expert loop: {}", name, reason)
+            logger.info("{}: {}", name, message)
 
 
 def _bound_forward(site: _Site) -> Callable[..., Any]:

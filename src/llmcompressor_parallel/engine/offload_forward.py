@@ -1,0 +1,86 @@
+"""What compressed-tensors' per-instance offloading wrapper does to a module's call.
+
+During llm-compressor's sequential pipeline every module is offloaded
+(`set_onload_device`), and `offload_module` replaces each instance's `forward` by a
+wrapper that moves the call's tensor arguments to the module's onload device and
+then calls the forward it wrapped. A grouped execution that skips the experts'
+modules must know that wrapper to reproduce it (the input move) or refuse to run.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from compressed_tensors.offload.cache.base import OffloadCache
+from compressed_tensors.offload.module import offload_module
+from compressed_tensors.offload.utils import send_tensors
+from torch import nn
+
+__all__ = [
+    "is_offload_wrapper",
+    "offload_inner_forward",
+    "offload_onload_device",
+    "same_device",
+    "send_like_offload",
+    "wrapper_target",
+]
+
+# the code of `offload_module`'s per-instance `forward` closure
+_OFFLOAD_FORWARD_CODES = tuple(
+    c for c in offload_module.__code__.co_consts if isinstance(c, types.CodeType)
+)
+
+
+def is_offload_wrapper(module: nn.Module, forward: Any) -> bool:
+    """Whether `forward` (an instance forward of `module`) is the offloading wrapper."""
+    return (
+        isinstance(forward, types.MethodType)
+        and forward.__self__ is module
+        and getattr(forward.__func__, "__code__", None) in _OFFLOAD_FORWARD_CODES
+    )
+
+
+def offload_inner_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """The function the offloading wrapper on `module` calls (None: no such wrapper)."""
+    if not is_offload_wrapper(module, module.__dict__.get("forward")):
+        return None
+    return module.__dict__.get("_original_forward_func")
+
+
+def offload_onload_device(module: nn.Module) -> torch.device | str | None:
+    """Where the offloading wrapper on `module` moves tensor arguments now (None: nowhere)."""
+    if offload_inner_forward(module) is None:
+        return None
+    return wrapper_target(module)
+
+
+def wrapper_target(module: nn.Module) -> torch.device | str | None:
+    """Where an offloading wrapper of `module` would move arguments now: the wrapper's
+    own test (onloading not disabled, parameters still offloaded); None: nowhere."""
+    parameters = module._parameters
+    if OffloadCache.onloading_disabled or not isinstance(parameters, OffloadCache):
+        return None
+    return parameters.onload_device
+
+
+def send_like_offload(module: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` as an offloading wrapper of `module` would pass them on."""
+    device = wrapper_target(module)
+    if device is None:
+        return tensors
+    return tuple(send_tensors(list(tensors), device=device))
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Equal devices, an accelerator without index meaning the current one."""
+    return _normalized(a) == _normalized(b)
+
+
+def _normalized(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None and torch.accelerator.is_available():
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device

@@ -1,0 +1,84 @@
+"""The pipeline's input-capture pass of a layer, with its MoE experts grouped.
+
+Stock `AutoRoundModifier` captures each decoder layer's inputs with a forward-pre
+hook (`input_capture_hook`) while the sequential pipeline runs the layer's
+calibration pass; the layer then runs in full (its outputs are the next layer's
+inputs), llm-compressor's linearised experts one Linear at a time: about 10 s of a
+~30 s Qwen3-30B-A3B layer on an H200. Our modifier's capture hook calls `opened`
+here: at a layer's first batch, `GroupedAutoRoundExperts` is entered on that layer,
+so the rest of the pass runs its experts grouped (or, per experts module and reason,
+the stock loop with a log line). Nothing of llm-compressor is patched; only that
+layer's experts' instance forwards change, and they get their own forwards back
+(`close`) at the layer's epoch end, before stock's `apply_autoround` sees the layer,
+or when the layer's forward raises (a torch forward hook with `always_call`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from loguru import logger
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
+from llmcompressor_parallel.engine.grouped_ops import Backend
+
+__all__ = ["GroupedCapture"]
+
+
+@dataclass
+class _OpenLayer:
+    name: str
+    context: GroupedAutoRoundExperts
+    on_error: RemovableHandle
+
+
+class GroupedCapture:
+    """The layers whose calibration pass currently runs with grouped experts.
+
+    :param backend: segment-matmul kernel for `GroupedAutoRoundExperts`
+    """
+
+    def __init__(self, backend: Backend = "auto") -> None:
+        self.backend = backend
+        self._open: dict[nn.Module, _OpenLayer] = {}
+        # per layer name: (grouped calls, stock-loop calls), kept after close
+        self.counts: dict[str, tuple[int, int]] = {}
+
+    def opened(self, layer: nn.Module) -> None:
+        """Called at each captured batch of `layer`: group its experts from the first on."""
+        if layer in self._open:
+            return
+        name = f"{getattr(layer, '_tmp_name', type(layer).__name__)}"
+        context = GroupedAutoRoundExperts(layer, f"{name} (input capture)", self.backend)
+        context.__enter__()
+        try:
+            handle = layer.register_forward_hook(self._close_on_error, always_call=True)
+        except BaseException:
+            context.__exit__(*sys.exc_info())
+            raise
+        self._open[layer] = _OpenLayer(name, context, handle)
+
+    def close(self, layers: Iterable[nn.Module] | None = None) -> None:
+        """Give the experts of `layers` (default: all open ones) their forwards back."""
+        targets = list(self._open) if layers is None else [m for m in layers if m in self._open]
+        for layer in targets:
+            entry = self._open.pop(layer)
+            entry.on_error.remove()
+            entry.context.__exit__(None, None, None)
+            context = entry.context
+            if context.module_names:
+                self.counts[entry.name] = (context.grouped_calls, context.stock_calls)
+                logger.info(
+                    "{}: input capture ran its experts grouped in {} calls, "
+                    "the per-expert loop in {}",
+                    entry.name, context.grouped_calls, context.stock_calls,
+                )
+
+    def _close_on_error(self, layer: nn.Module, args: object, output: object) -> None:
+        """torch calls `always_call` hooks also when the forward raises: restore then."""
+        if sys.exc_info()[1] is not None:
+            self.close([layer])
