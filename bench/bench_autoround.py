@@ -101,9 +101,12 @@ def main() -> None:
     for shape in args.shapes:
         model_dir = save_random_model(shape, args.layers, work / shape)
         stock_seconds = None
-        configs = [(None, False), *[(g, CACHE_CHOICES[c]) for c in args.cache for g in args.gpus]]
-        for gpus, keep_cache in configs:
-            name = "stock-1gpu" if gpus is None else f"ours-{gpus}gpu" + _cache_suffix(gpus, keep_cache)
+        configs = {"stock-1gpu": (None, False)}
+        for cache in args.cache:  # by name: "default" on 2 GPUs and "on" are one configuration
+            for g in args.gpus:
+                configs.setdefault(f"ours-{g}gpu" + _cache_suffix(g, CACHE_CHOICES[cache]),
+                                   (g, CACHE_CHOICES[cache]))
+        for name, (gpus, keep_cache) in configs.items():
             if gpus is not None and not args.cpu and gpus > torch.cuda.device_count():
                 emit({"shape": shape, "config": name, "skipped": "not enough GPUs"}, out)
                 continue

@@ -31,6 +31,7 @@ from llmcompressor_parallel.engine.worker_pool import (
     live_worker_threads,
 )
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
+from llmcompressor_parallel.modifiers.gptq_batches import split_for_devices
 from tiny_models import calibration_data, load_saved_tensors
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -270,31 +271,30 @@ def test_parallel_updates_equal_stock_on_two_gpus(model_dirs, tmp_path, batched)
     assert live_worker_threads() == []
 
 
-@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
-def test_batch_on_second_gpu_equals_home_gpu():
-    """A stacked batch large enough for the batched Cholesky path, home vs cuda:1."""
+def synthetic_batch(
+    num_modules: int, rows: int, columns: int, device: torch.device, seed: int = 0
+) -> parallel_gptq._BatchInputs:
+    """Stacked GPTQ inputs of `num_modules` same-shape modules, as stock's batch gives them."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    home = torch.device("cuda", 0)
-    generator = torch.Generator().manual_seed(0)
-    num_modules, rows, columns = 20, 256, 512
+    generator = torch.Generator().manual_seed(seed)
     quant_args = QuantizationArgs(
         num_bits=4, type="int", symmetric=True, strategy="group", group_size=128,
         actorder="static",
     )
     weights, hessians = [], []
     for _ in range(num_modules):
-        weights.append(torch.randn(rows, columns, generator=generator).to(home, torch.bfloat16))
-        samples = torch.randn(1024, columns, generator=generator).to(home)
+        weights.append(torch.randn(rows, columns, generator=generator).to(device, torch.bfloat16))
+        samples = torch.randn(1024, columns, generator=generator).to(device)
         hessians.append(2 * samples.t() @ samples)
     scales = [
         (weight.float().abs().reshape(rows, -1, 128).amax(-1) / 7).to(torch.bfloat16)
         for weight in weights
     ]
-    inputs = parallel_gptq._BatchInputs(
+    return parallel_gptq._BatchInputs(
         weights=weights,
         hessians=hessians,
-        num_samples=[torch.tensor(1024.0, device=home) for _ in weights],
+        num_samples=[torch.tensor(1024.0, device=device) for _ in weights],
         qparams=[
             {"scale": scale, "zero_point": torch.zeros_like(scale, dtype=torch.int8),
              "global_scale": None}
@@ -302,6 +302,71 @@ def test_batch_on_second_gpu_equals_home_gpu():
         ],
         quant_args=quant_args,
     )
+
+
+def chunk_inputs(inputs: parallel_gptq._BatchInputs, start: int, stop: int) -> parallel_gptq._BatchInputs:
+    return parallel_gptq._BatchInputs(
+        weights=inputs.weights[start:stop],
+        hessians=inputs.hessians[start:stop],
+        num_samples=inputs.num_samples[start:stop],
+        qparams=inputs.qparams[start:stop],
+        quant_args=inputs.quant_args,
+    )
+
+
+def split_batch_matches_whole(inputs: parallel_gptq._BatchInputs, devices: list[str]) -> None:
+    """A batch cut by `split_for_devices` and run on the pool gives stock's whole-batch bits."""
+    home = inputs.weights[0].device
+    update = functools.partial(parallel_gptq._quantize_batch, blocksize=128, percdamp=0.01)
+    whole = update(inputs, home)
+    members = [torch.nn.Identity() for _ in inputs.weights]
+    chunks = split_for_devices([members], len(devices))
+    assert len(chunks) == len(devices) and sum(len(c) for c in chunks) == len(members)
+    jobs, start = [], 0
+    for index, chunk in enumerate(chunks):
+        jobs.append(UpdateJob(f"chunk {index}", chunk_inputs(inputs, start, start + len(chunk)), home, 0))
+        start += len(chunk)
+    with DeviceWorkerPool(devices) as pool:
+        results = run_update_jobs(pool, jobs, update)
+    print("chunks of", [len(c) for c in chunks], "ran on:", [result.place for result in results])
+    quantized = torch.cat([result.value.quantized.to(home) for result in results])
+    losses = [loss for result in results for loss in result.value.losses]
+    differing = (quantized != whole.quantized).any(dim=(1, 2)).sum().item()
+    print(f"{len(members)} modules, {differing} differ from the whole batch")
+    assert torch.equal(quantized, whole.quantized)
+    assert losses == whole.losses
+    for name in ("scales", "zero_points"):
+        assert torch.equal(
+            torch.cat([getattr(r.value, name).to(home) for r in results]), getattr(whole, name)
+        )
+
+
+def test_split_batches_keep_order_and_small_batches():
+    modules = [torch.nn.Identity() for _ in range(70)]
+    assert split_for_devices([modules[:31]], 4) == [modules[:31]]  # < 2 x 16: whole
+    assert split_for_devices([modules], 1) == [modules]
+    chunks = split_for_devices([modules[:40], modules[40:]], 4)
+    assert [len(c) for c in chunks] == [20, 20, 30]  # 30 < 32: one chunk
+    assert [m for c in chunks for m in c] == modules
+    assert [len(c) for c in split_for_devices([modules[:64]], 3)] == [22, 21, 21]
+
+
+def test_split_batch_equals_whole_batch_on_cpu():
+    split_batch_matches_whole(synthetic_batch(40, 64, 256, torch.device("cpu")), ["cpu", "cpu"])
+
+
+@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
+@pytest.mark.parametrize("shape", [(40, 256, 512), (256, 768, 2048), (128, 2048, 768)],
+                         ids=["small", "qwen3-30b-gate-up", "qwen3-30b-down"])
+def test_split_batch_on_two_gpus_equals_whole_batch(shape):
+    split_batch_matches_whole(synthetic_batch(*shape, torch.device("cuda", 0)), ["cuda:0", "cuda:1"])
+
+
+@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
+def test_batch_on_second_gpu_equals_home_gpu():
+    """A stacked batch large enough for the batched Cholesky path, home vs cuda:1."""
+    home = torch.device("cuda", 0)
+    inputs = synthetic_batch(20, 256, 512, home)
     update = functools.partial(parallel_gptq._quantize_batch, blocksize=128, percdamp=0.01)
     expected = update(inputs, home)
     jobs = [UpdateJob("warm-up", inputs, home, 0), UpdateJob("batch", inputs, home, 0)]

@@ -41,12 +41,13 @@ from compressed_tensors.offload import disable_offloading, set_onload_device
 from compressed_tensors.utils.match import match_named_modules
 from loguru import logger
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.data.dataloader import DataLoader
 from tqdm import tqdm
 
 from llmcompressor.core import LifecycleCallbacks, active_session
 from llmcompressor.modifiers.utils.hooks import HooksMixin
-from llmcompressor.pipelines.cache import IntermediatesCache
+from llmcompressor.pipelines.cache import IntermediatesCache, OverrideEqMode
 from llmcompressor.pipelines.registry import CalibrationPipeline
 from llmcompressor.pipelines.sequential.helpers import (
     Subgraph,
@@ -395,10 +396,14 @@ class _PassRunner:
                     for batch_idx in range(starts[part], starts[part + 1]):
                         inputs = self.activations.fetch(batch_idx, subgraph.input_names)
                         outputs = subgraph.forward(view, **inputs)
+                        copies = (
+                            _offload_copies(outputs, self.activations.offload_device)
+                            if store
+                            else []
+                        )
                         with lock:
                             if store:
-                                self.activations.update(batch_idx, outputs)
-                                self.activations.delete(batch_idx, subgraph.consumed_names)
+                                _store(self.activations, batch_idx, outputs, copies, subgraph)
                             progress.update(1)
 
             return run
@@ -408,6 +413,41 @@ class _PassRunner:
         finally:
             progress.close()
         active_session().state.current_batch_idx = num_batches - 1
+
+
+def _offload_copies(
+    values: dict, device: torch.device | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each output tensor and its copy on the cache's offload device, made unlocked.
+
+    `IntermediatesCache.update` would make these copies under the cache lock, one
+    part at a time; at 2048 tokens a batch they cost about as much as a decoder
+    layer's forward, so the parts make them in their own threads first.
+    """
+    if device is None:
+        return []
+    leaves = [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+    return [(leaf, leaf.to(device)) for leaf in leaves if leaf.device != torch.device(device)]
+
+
+def _store(
+    cache: IntermediatesCache,
+    batch_idx: int,
+    outputs: dict,
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+    subgraph: Subgraph,
+) -> None:
+    """Stock's `update` + `delete` (call under the cache lock), reusing the copies.
+
+    The copies enter the cache's own table of offloaded tensors, the one stock uses
+    for tensors shared between batches, so `update` finds them there instead of
+    copying again and records everything else exactly as it always does.
+    """
+    with OverrideEqMode():
+        for tensor, copy in copies:
+            IntermediatesCache.offload_values[tensor] = copy
+    cache.update(batch_idx, outputs)
+    cache.delete(batch_idx, subgraph.consumed_names)
 
 
 @contextlib.contextmanager

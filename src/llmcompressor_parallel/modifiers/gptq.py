@@ -70,6 +70,7 @@ from llmcompressor_parallel.engine.update_pool import (
 )
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
+from llmcompressor_parallel.modifiers.gptq_batches import split_for_devices
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
 from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
 
@@ -273,10 +274,16 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             dist.barrier()
 
     def compress_module_list(self, module_list: list[nn.Module]) -> None:
-        """Stock batches, run on the pool; written back only once all succeeded."""
+        """Stock batches (large ones in one chunk per device), run on the pool.
+
+        Written back only once every batch has succeeded.
+        """
         if self._pool is None:
             return super().compress_module_list(module_list)
-        batches = assign_batches(module_list, self.batched_quantization, self.block_size)
+        batches = split_for_devices(
+            assign_batches(module_list, self.batched_quantization, self.block_size),
+            len(self._pool.devices),
+        )
         if not batches:
             return None
         update = functools.partial(
