@@ -498,3 +498,18 @@ def test_oneshot_tiny_moe_matches_stock(tmp_path: Path):
     print(f"\noneshot tiny MoE, 20 iters: {same / total:.4%} of {total} ints identical; "
           f"grouped/stock expert calls per layer {counts}")
     assert same / total >= 0.99
+
+
+def test_gpu_cache_default_follows_grouped_experts():
+    """keep_cache_on_gpu=None keeps auto-round's caches on the GPU for grouped MoE layers."""
+    from llmcompressor_parallel import DataParallelAutoRoundModifier
+
+    moe_layer = configured_layer("W4A16", 2, ())
+    dense_layer = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    default = DataParallelAutoRoundModifier(scheme="W4A16", targets="Linear")
+    assert default._keeps_cache_on_gpu(moe_layer)
+    assert not default._keeps_cache_on_gpu(dense_layer)
+    per_expert = DataParallelAutoRoundModifier(scheme="W4A16", targets="Linear", grouped_experts=False)
+    assert not per_expert._keeps_cache_on_gpu(moe_layer)
+    forced_off = DataParallelAutoRoundModifier(scheme="W4A16", targets="Linear", keep_cache_on_gpu=False)
+    assert not forced_off._keeps_cache_on_gpu(moe_layer)
