@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from loguru import logger
 
 from llmcompressor import oneshot
 from tiny_models import calibration_data, load_saved_tensors, unpack_int4
@@ -81,3 +82,14 @@ def block_losses() -> Iterator[list[tuple[float, float]]]:
         yield handler.losses
     finally:
         autoround_logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def log_lines(level: str = "INFO") -> Iterator[list[str]]:
+    """Yields a list that fills with the loguru messages logged meanwhile."""
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level=level)
+    try:
+        yield lines
+    finally:
+        logger.remove(sink)

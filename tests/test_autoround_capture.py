@@ -18,8 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 from compressed_tensors.offload import disable_offloading, set_onload_device
-from loguru import logger
-from oneshot_runs import AUTOROUND_ARGS, compare_checkpoints, run_oneshot
+from oneshot_runs import AUTOROUND_ARGS, compare_checkpoints, log_lines, run_oneshot
 from pydantic import ValidationError
 from tiny_models import calibration_data, moe_config, save_tiny_model, word_tokenizer
 from transformers import AutoModelForCausalLM
@@ -67,15 +66,6 @@ def captured_inputs() -> Iterator[dict[str, torch.Tensor]]:
     finally:
         AutoRoundModifier.apply_autoround = real
 
-
-@contextlib.contextmanager
-def log_lines() -> Iterator[list[str]]:
-    lines: list[str] = []
-    sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
-    try:
-        yield lines
-    finally:
-        logger.remove(sink)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,7 +24,6 @@ import torch
 from compressed_tensors.offload import disable_offloading, set_onload_device
 from compressed_tensors.offload.cache import OffloadCache
 from llmcompressor.modifiers.gptq.helpers import accumulate_hessian, make_empty_hessian
-from loguru import logger
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -37,7 +36,7 @@ from llmcompressor_parallel.engine.calibration_onload import onloaded_as_plain_m
 from llmcompressor_parallel.engine.worker_pool import ReplicaError, live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
-from oneshot_runs import compare_checkpoints
+from oneshot_runs import compare_checkpoints, log_lines
 from tiny_models import calibration_data, load_saved_tensors, unpack_int4
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -130,15 +129,6 @@ def parallel(model_dirs, tmp_path, kind: str, devices: int, batch_size: int = 1,
     return quantize(model_dirs[kind], recipe, tmp_path / "ours", pipeline, batch_size,
                     propagate_error=propagate)
 
-
-@contextlib.contextmanager
-def log_lines(level: str = "INFO") -> Iterator[list[str]]:
-    lines: list[str] = []
-    sink = logger.add(lambda message: lines.append(str(message)), level=level)
-    try:
-        yield lines
-    finally:
-        logger.remove(sink)
 
 
 def assert_bit_identical(expected: Run, actual: Run) -> None:

@@ -20,8 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from compressed_tensors.offload.cache.base import OffloadCache
 from compressed_tensors.offload.module import remove_module_offload
-from loguru import logger
-from oneshot_runs import AUTOROUND_ARGS
+from oneshot_runs import AUTOROUND_ARGS, log_lines
 from tiny_models import (
     calibration_data,
     load_saved_tensors,
@@ -195,15 +194,6 @@ def show(title: str, figures: dict[str, float]) -> None:
 def gradient_errors(figures: dict[str, float]) -> float:
     return max(v for k, v in figures.items() if k.startswith("grad "))
 
-
-@contextlib.contextmanager
-def log_lines():
-    lines: list[str] = []
-    sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
-    try:
-        yield lines
-    finally:
-        logger.remove(sink)
 
 
 # ------------------------------------------------------------------ tests
