@@ -26,13 +26,16 @@ from compressed_tensors.offload.cache import OffloadCache
 from llmcompressor.modifiers.gptq.helpers import accumulate_hessian, make_empty_hessian
 from torch import nn
 from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from llmcompressor import oneshot
 from llmcompressor.modifiers.gptq import GPTQModifier
 
+import llmcompressor_parallel.calibration_pipeline as calibration_pipeline
 import llmcompressor_parallel.modifiers.gptq_calibration as gptq_calibration
 from llmcompressor_parallel.calibration_pipeline import PIPELINE_NAME
 from llmcompressor_parallel.engine.calibration_onload import onloaded_as_plain_modules
+from llmcompressor_parallel.engine.offload_forward import is_offload_wrapper
 from llmcompressor_parallel.engine.worker_pool import ReplicaError, live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
@@ -319,6 +322,63 @@ def test_failing_replica_stops_the_run_and_leaves_nothing_behind(model_dirs, mon
     untouched = model.model.layers[1]  # never reached: as the pipeline left it
     assert _cache_types(layer) == _cache_types(untouched), "offloading not restored"
     assert any(isinstance(m._parameters, OffloadCache) for m in layer.modules())
+
+
+def test_failing_layer_forward_on_one_part_leaves_every_forward_as_before(
+    model_dirs, monkeypatch
+):
+    """A decoder layer raising on part 1's device: the error names the device, and every
+    module of the pass's layers has the forward (offloading wrapper) and caches it had before."""
+    real_forward = LlamaDecoderLayer.forward
+
+    def fail_on_part_1(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("llmc-parallel-1"):
+            raise RuntimeError("injected failure")
+        return real_forward(self, *args, **kwargs)
+
+    before: dict[nn.Module, tuple[Any, ...]] = {}
+    real_onloaded = calibration_pipeline.onloaded_as_plain_modules
+
+    @contextlib.contextmanager
+    def recording(layers):
+        layers = list(layers)
+        for layer in layers:
+            for module in layer.modules():
+                before.setdefault(module, _onload_state(module))
+        with real_onloaded(layers):
+            yield
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", fail_on_part_1)
+    monkeypatch.setattr(calibration_pipeline, "onloaded_as_plain_modules", recording)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["dense"], dtype=torch.float32)
+    recipe = ParallelGPTQExpertModifier(data_parallel=["cpu", "cpu"], **ARGS)
+    with pytest.raises(ReplicaError, match="worker 1 on device cpu failed: RuntimeError: injected") as error:
+        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
+                num_calibration_samples=SAMPLES, max_seq_length=32,
+                shuffle_calibration_samples=False, pipeline=PIPELINE_NAME)
+
+    assert error.value.device == torch.device("cpu") and error.value.worker == 1
+    assert live_worker_threads() == []
+    names = {module: name for name, module in model.named_modules()}
+    layer = model.model.layers[0]
+    wrapped = {m for m, state in before.items() if is_offload_wrapper(m, state[0])}
+    linears = {m for m in layer.modules() if isinstance(m, nn.Linear)}
+    assert layer in wrapped and linears and linears <= wrapped, "the pass was not reached"
+    changed = [
+        names[m] for m, state in before.items()
+        if any(now is not then for now, then in zip(_onload_state(m), state))
+    ]
+    assert not changed, f"forwards or caches not restored: {changed}"
+
+
+def _onload_state(module: nn.Module) -> tuple[Any, ...]:
+    """The instance forward, the function an offloading wrapper calls, the caches."""
+    return (
+        module.__dict__.get("forward"),
+        module.__dict__.get("_original_forward_func"),
+        module._parameters,
+        module._buffers,
+    )
 
 
 def _cache_types(layer: nn.Module) -> dict[str, type]:

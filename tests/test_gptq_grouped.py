@@ -18,6 +18,8 @@ Measured on this machine (2 CPU cores, torch 2.13; fp32 tiny MoE, bf16 demo mode
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,7 +29,10 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from loguru import logger
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeSparseMoeBlock,
+)
 
 from llmcompressor import oneshot
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
@@ -40,7 +45,9 @@ from llmcompressor_parallel.demo import (
     kl_divergence,
     stdlib_texts,
 )
+from llmcompressor_parallel.engine.grouped_experts import GroupedExperts
 from llmcompressor_parallel.engine.grouped_hessians import GroupedExpertHessians
+from llmcompressor_parallel.engine.offload_forward import is_offload_wrapper
 from llmcompressor_parallel.engine.worker_pool import ReplicaError, live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
@@ -346,10 +353,84 @@ def test_failing_grouped_replica_leaves_the_model_unpatched(model_dirs, monkeypa
     experts = [m for m in model.modules() if isinstance(m, LinearExperts2D)]
     assert len(experts) == 2
     for module in experts:
-        # nothing of ours (layer 0 keeps the plain forward compressed-tensors'
-        # `unwrap_offload_forward` leaves behind when an exception passes through it)
-        forward = module.__dict__.get("forward")
-        assert not _is_dispatcher(forward) and "grouped_forward" not in forward.__qualname__
+        assert _own_forward(module) is type(module).forward
+
+
+class _WithLayerHook(ParallelGPTQExpertModifier):
+    """Another always-called hook on layer 1, registered after the wiring's own."""
+
+    def on_calibration_start(self, state, event, **kwargs):
+        super().on_calibration_start(state, event, **kwargs)
+        layer = state.model.get_submodule("model.layers.1")
+        layer.register_forward_hook(lambda *_: _CALLS.append("layer 1"), always_call=True)
+
+
+@pytest.mark.parametrize("failing_pass", ["calibration", "propagation"])
+def test_failing_layer_forward_under_stock_pipeline_leaves_nothing_grouped(
+    model_dirs, monkeypatch, failing_pass
+):
+    """Stock "sequential" pipeline (it calls nothing of ours on an error): layer 1 raises
+    in its third batch of the pass, its experts grouped since the first. The error
+    reaches the caller as raised; every experts module has its own forward back, the
+    stacks are freed, the device workers stopped, the wiring's hooks removed."""
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["moe"], dtype=torch.float32)
+    failing = model.get_submodule("model.layers.1")
+    fail_at = 3 if failing_pass == "calibration" else SAMPLES + 3
+    recipe = _WithLayerHook(data_parallel=["cpu", "cpu"], **ARGS)
+    calls, grouped_when_failing = [0], []
+    real_forward = Qwen3MoeDecoderLayer.forward
+
+    def fail_in_layer_1(self, *args, **kwargs):
+        if self is failing:
+            calls[0] += 1
+            if calls[0] == fail_at:
+                slots = recipe._grouped._slots.values()
+                grouped_when_failing.append(any(s.stack is not None for s in slots))
+                raise RuntimeError("injected failure in model.layers.1")
+        return real_forward(self, *args, **kwargs)
+
+    built: list[weakref.ref] = []
+    real_init = GroupedExperts.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+
+    monkeypatch.setattr(Qwen3MoeDecoderLayer, "forward", fail_in_layer_1)
+    monkeypatch.setattr(GroupedExperts, "__init__", recording_init)
+    _CALLS.clear()
+    with pytest.raises(RuntimeError) as error:
+        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
+                num_calibration_samples=SAMPLES, max_seq_length=32,
+                shuffle_calibration_samples=False)
+    assert type(error.value) is RuntimeError
+    assert str(error.value) == "injected failure in model.layers.1"
+    assert grouped_when_failing == [True]
+    assert _CALLS.count("layer 1") == fail_at  # the other hook still ran on the error
+
+    assert live_worker_threads() == []
+    assert recipe._grouped is None and recipe._pool is None
+    experts = [m for m in model.modules() if isinstance(m, LinearExperts2D)]
+    assert len(experts) == 2
+    assert all(_own_forward(module) is type(module).forward for module in experts)
+    ours = [
+        hook for module in model.modules() for hook in module._forward_hooks.values()
+        if isinstance(getattr(hook, "__self__", None), GroupedExpertsWiring)
+    ]
+    assert not ours, "the wiring's error hooks were left behind"
+    del error
+    gc.collect()
+    assert built and all(ref() is None for ref in built), "grouped stacks still alive"
+
+
+def _own_forward(module: nn.Module) -> Any:
+    """The function a call of `module` ends in (through an offloading wrapper)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return type(module).forward
+    if is_offload_wrapper(module, forward):
+        return module.__dict__.get("_original_forward_func")
+    return forward
 
 
 def _tiny_block() -> Qwen3MoeSparseMoeBlock:

@@ -10,7 +10,9 @@ the layer holds plain dicts of its onloaded tensors and its unwrapped forward.
 Unlike removing the offloading and applying it again (what llm-compressor's
 AutoRoundModifier does), nothing is copied: the tensors are the ones the cache
 keeps onloaded while `disable_offloading()` is active (the pipeline is inside it),
-and on exit the module gets its own cache and wrapper back. A tensor replaced or
+and on exit the module gets its own cache and wrapper back, also when an exception
+passes (compressed-tensors' `unwrap_offload_forward` re-wraps only on a normal exit,
+so a failed parallel pass would leave plain forwards behind). A tensor replaced or
 written in place meanwhile is written through the cache, as
 `update_offload_parameter` would.
 """
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-from compressed_tensors.offload import unwrap_offload_forward
 from compressed_tensors.offload.cache import OffloadCache
+from loguru import logger
 from torch import nn
 
 __all__ = ["onloaded_as_plain_modules"]
@@ -77,6 +79,34 @@ def _give_back(held: _Held) -> None:
 
 
 @contextlib.contextmanager
+def _unwrapped_forward(module: nn.Module) -> Iterator[None]:
+    """compressed-tensors' `unwrap_offload_forward`, whose wrapper also comes back on error.
+
+    Inside, the module's forward is the one its offloading wrapper calls. On exit
+    the wrapper is put back, and a forward method set meanwhile becomes the one the
+    wrapper calls (as `unwrap_offload_forward` does); on an exception, a forward
+    that is no method of the module is dropped instead of masking the error.
+    """
+    if not hasattr(module, "_original_forward_func"):
+        yield
+        return
+    offload_forward = module.forward
+    module.forward = module._original_forward_func.__get__(module)
+    try:
+        yield
+    except BaseException:
+        inner = getattr(module.forward, "__func__", None)
+        if inner is not None:
+            module._original_forward_func = inner
+        else:
+            logger.debug("{}: a non-method forward set meanwhile dropped", type(module).__name__)
+        module.forward = offload_forward
+        raise
+    module._original_forward_func = module.forward.__func__
+    module.forward = offload_forward
+
+
+@contextlib.contextmanager
 def onloaded_as_plain_modules(layers: Iterable[nn.Module]) -> Iterator[None]:
     """Inside: every offloaded module of `layers` is a plain module on its onload device.
 
@@ -91,6 +121,6 @@ def onloaded_as_plain_modules(layers: Iterable[nn.Module]) -> Iterator[None]:
                 if id(module) in seen or not isinstance(module._parameters, OffloadCache):
                     continue
                 seen.add(id(module))
-                stack.enter_context(unwrap_offload_forward(module))
+                stack.enter_context(_unwrapped_forward(module))
                 stack.callback(_give_back, _hold(module))
         yield

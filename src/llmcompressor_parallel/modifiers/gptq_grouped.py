@@ -24,6 +24,15 @@ What runs grouped, and when (with `grouped_experts=True`):
   builds fresh stacks from the quantized weights; those are dropped when the next
   layer's experts build theirs, at the next epoch end, or at calibration end.
 
+Failures: under any pipeline but "parallel_sequential" nothing of ours sees an
+exception leave a layer's forward, so `install` puts an always-called forward hook on
+every module whose forward raising ends the run (the experts' ancestors and the
+decoder layers beside them). When one raises, every experts module gets its own
+forward back, the stacks are freed and the owner's device workers stop
+(`close_workers`), and the error goes on unchanged. "parallel_sequential" does the
+same from its own `except`; there no hook is registered (it would make every pass
+serial, and part 0 runs the home layer in a worker thread, which cannot stop the pool).
+
 Stock's per-expert loop runs instead, with one log line per experts module and
 reason, when the module is not supported, when a hook other than this modifier's own
 Hessian hook would fire on an expert or one of its Linears (or a global module hook
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -49,6 +59,7 @@ from compressed_tensors.offload.dist_utils import is_distributed
 from compressed_tensors.utils import get_execution_device, getattr_chain
 from loguru import logger
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor.modifiers.utils.hooks import HooksMixin
@@ -67,6 +78,11 @@ if TYPE_CHECKING:
 __all__ = ["GroupedExpertsWiring"]
 
 _MISSING = object()
+_FORWARD_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 # (entries of GPTQ's dicts before the experts' first accumulating call, tie-breaker)
 Position = tuple[int, int]
 
@@ -113,6 +129,9 @@ class GroupedExpertsWiring:
         self._hooked: set[nn.Module] = set()
         self._logged: set[tuple[str, str]] = set()
         self._sequence = itertools.count()
+        self._error_hooks: dict[nn.Module, tuple[str, RemovableHandle]] = {}
+        self._unwinding: nn.Module | None = None  # whose failed forward is calling `close`
+        self._closed = False
         self.counts: Counter[tuple[str, str]] = Counter()  # (pass kind, "grouped"/"stock")
 
     # ------------------------------------------------------------ lifecycle
@@ -145,6 +164,51 @@ class GroupedExpertsWiring:
             slot.dispatcher = self._dispatcher(slot)
             module.forward = slot.dispatcher
             self._slots[module] = slot
+        if self._slots and not self.owner._in_parallel_pipeline:
+            self._guard_layers(model)
+
+    def _guard_layers(self, model: nn.Module) -> None:
+        """Hook every module whose failing forward ends the run: close everything then.
+
+        Those are the experts modules' ancestors and, where an ancestor is a
+        ModuleList (the decoder layers), each of its members, dense layers included:
+        an error in any of them, before or while its experts run grouped, must not
+        leave dispatchers, stacks or worker threads behind.
+        """
+        names = dict(model.named_modules())
+        targets: dict[nn.Module, str] = {}
+        for slot in self._slots.values():
+            path = slot.name.split(".")
+            for depth in range(len(path)):
+                prefix = ".".join(path[:depth])
+                ancestor = names[prefix]
+                if isinstance(ancestor, nn.ModuleList):
+                    for index, member in enumerate(ancestor):
+                        targets.setdefault(member, f"{prefix}.{index}")
+                else:
+                    targets.setdefault(ancestor, prefix or "<root>")
+        for module, name in targets.items():
+            handle = module.register_forward_hook(self._close_on_error, always_call=True)
+            self._error_hooks[module] = (name, handle)
+
+    def _close_on_error(self, module: nn.Module, args: Any, output: Any) -> None:
+        """torch calls `always_call` hooks also when the forward raises: close then."""
+        error = sys.exc_info()[1]
+        if output is not None or error is None or self._closed:
+            return
+        name = self._error_hooks[module][0] if module in self._error_hooks else "?"
+        logger.warning(
+            "{}: forward raised {}: MoE experts get their own forwards back, grouped "
+            "stacks are freed, device workers stop",
+            name,
+            type(error).__name__,
+        )
+        self._unwinding = module
+        try:
+            self.close(export_pending=False)
+            self.owner.close_workers()
+        finally:
+            self._unwinding = None
 
     def epoch_end(self, modules: Sequence[nn.Module]) -> None:
         """Export the layer's statistics at stock's place in GPTQ's dicts; drop its stacks."""
@@ -163,7 +227,16 @@ class GroupedExpertsWiring:
         self._splice([export for export in exports if export is not None])
 
     def close(self, export_pending: bool) -> None:
-        """Restore every experts module's forward; export what is pending (or discard it)."""
+        """Restore every experts module's forward; export what is pending (or discard it).
+
+        Idempotent: after a failure closed it, the owner's cleanup finds nothing to do.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        hooks, self._error_hooks = self._error_hooks, {}
+        for module, (_name, handle) in hooks.items():
+            _remove_hook(module, handle, iterating=module is self._unwinding)
         if export_pending and self._to_merge:
             self.merge_parallel(merge=True, offset=len(self.owner._hessians))
         self._to_merge = []
@@ -175,8 +248,8 @@ class GroupedExpertsWiring:
             slot.hessians = None
             self._drop(slot)
             if slot.experts.__dict__.get("forward") is not slot.dispatcher:
-                # after a failure inside compressed-tensors' `unwrap_offload_forward` (it
-                # restores nothing on an exception) the plain forward is left there
+                # someone else replaced it meanwhile (our own parallel passes restore
+                # it, on error too: `calibration_onload`)
                 (logger.warning if export_pending else logger.debug)(
                     "{}: its forward was replaced after calibration started; left as it is",
                     slot.name,
@@ -420,6 +493,23 @@ class GroupedExpertsWiring:
             return
         self._logged.add((name, reason))
         logger.info("{}: experts run as llm-compressor's loop ({}): {}", name, where, reason)
+
+
+def _remove_hook(module: nn.Module, handle: RemovableHandle, iterating: bool) -> None:
+    """Remove a forward hook, also from inside the always-called pass of a failed forward.
+
+    There torch is iterating `module`'s hook dict: deleting from it would replace the
+    forward's error by "OrderedDict mutated during iteration" when another hook comes
+    after ours, so the module gets new dicts without the hook instead.
+    """
+    if not iterating:
+        handle.remove()
+        return
+    for attribute in _FORWARD_HOOK_DICTS:
+        hooks = getattr(module, attribute)
+        if handle.id in hooks:
+            kept = type(hooks)((key, value) for key, value in hooks.items() if key != handle.id)
+            setattr(module, attribute, kept)
 
 
 def _kind(calibrating: bool) -> str:
