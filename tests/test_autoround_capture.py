@@ -153,6 +153,30 @@ def test_a_failing_forward_gives_the_experts_their_forwards_back():
     assert not block._forward_hooks and not capture._open
 
 
+def test_a_failing_forward_with_another_always_called_hook_keeps_its_error():
+    """Another always-called hook follows the capture's on the block: the capture's
+    removes itself while torch iterates the block's hooks, and the caller still gets
+    the forward's own error (not "OrderedDict mutated during iteration"); the other
+    hook runs and its handle still removes it."""
+    bad_input = torch.zeros(2, 3, 7)  # wrong hidden size
+    with pytest.raises(RuntimeError) as plain:
+        calibration_call(offloaded_block(), bad_input)
+    block = offloaded_block()
+    saved = block.experts.__dict__["forward"]
+    capture = GroupedCapture()
+    capture.opened(block)
+    calls = []
+    other = block.register_forward_hook(lambda *_: calls.append("other"), always_call=True)
+    with pytest.raises(RuntimeError) as error:
+        calibration_call(block, bad_input)
+    assert str(error.value) == str(plain.value)
+    assert calls == ["other"] and not capture._open
+    assert block.experts.__dict__["forward"] is saved
+    other.remove()
+    calibration_call(block, block_input())  # what is left of the capture's hook goes
+    assert not block._forward_hooks and not block._forward_hooks_always_called
+
+
 def test_offload_helpers():
     block = offloaded_block()
     assert same_device(offload_onload_device(block.experts[0].up_proj), "cpu")

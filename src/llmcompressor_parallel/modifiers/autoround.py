@@ -5,6 +5,9 @@ works on a layer (`quantize_block`: reference outputs, SignRound iterations,
 quantized-input chain), the layer's forward is a `FanOut` over the worker pool,
 so every batch of every pass is split over the replicas. With `grouped_experts`,
 linearised MoE experts run grouped there and in the pipeline's input-capture pass.
+The pool lives from calibration start: a decoder layer's forward raising in the
+pipeline's pass stops it (`worker_guard`); a failure in auto-round's own work on a
+layer stops it from `apply_autoround`.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from llmcompressor.modifiers.autoround import AutoRoundModifier
 
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
 from llmcompressor_parallel.engine.expert_tokens import TokenMode
+from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.modifiers.autoround_capture import GroupedCapture
 from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
 from llmcompressor_parallel.modifiers.layer_safety import restore_layer_on_error
 from llmcompressor_parallel.modifiers.pipeline_compat import disable_error_propagation
+from llmcompressor_parallel.modifiers.worker_guard import guard_workers
 
 __all__ = ["DataParallelAutoRoundModifier"]
 
@@ -100,6 +105,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
     _capture: GroupedCapture | None = PrivateAttr(default=None)
+    _worker_guard: ForwardErrorHooks | None = PrivateAttr(default=None)
 
     @field_validator("parallel_batch", mode="before")
     @classmethod
@@ -156,6 +162,11 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             self._capture = GroupedCapture()
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
+        if self._pool is not None and self._worker_guard is None:
+            # not a "parallel_sequential" participant: under every pipeline
+            self._worker_guard = guard_workers(
+                type(self).__name__, state.model, self._sequential_targets, self.close_workers
+            )
 
     def input_capture_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Stock's capture; then the rest of the layer's calibration pass runs its
@@ -197,8 +208,11 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         if not self._wraps_quantize_block() and not self._keeps_cache_on_gpu():
             return super().apply_autoround(state, modules)
         layers = [m for m in (modules or []) if self._is_decoding_layer(m)]
+        guard = self._worker_guard
+        # auto-round runs the layer itself here; its errors are handled below
+        paused = guard.paused() if guard is not None else contextlib.nullcontext()
         try:
-            with restore_layer_on_error(layers), self._adapted_autoround():
+            with paused, restore_layer_on_error(layers), self._adapted_autoround():
                 return super().apply_autoround(state, modules)
         except BaseException:
             self.close_workers()
@@ -215,6 +229,9 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     def close_workers(self) -> None:
         """Stop the worker threads and end every grouped capture (idempotent)."""
         self._close_capture(None)
+        guard, self._worker_guard = self._worker_guard, None
+        if guard is not None:
+            guard.remove()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()

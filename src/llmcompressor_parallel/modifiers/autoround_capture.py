@@ -10,7 +10,8 @@ so the rest of the pass runs its experts grouped (or, per experts module and rea
 the stock loop with a log line). Nothing of llm-compressor is patched; only that
 layer's experts' instance forwards change, and they get their own forwards back
 (`close`) at the layer's epoch end, before stock's `apply_autoround` sees the layer,
-or when the layer's forward raises (a torch forward hook with `always_call`).
+or when the layer's forward raises (`engine.forward_error_hooks`: an always-called
+forward hook, removed without breaking torch's iteration over the layer's hooks).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 from loguru import logger
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.engine.grouped_ops import Backend
 
@@ -33,7 +34,6 @@ __all__ = ["GroupedCapture"]
 class _OpenLayer:
     name: str
     context: GroupedAutoRoundExperts
-    on_error: RemovableHandle
 
 
 class GroupedCapture:
@@ -45,6 +45,7 @@ class GroupedCapture:
     def __init__(self, backend: Backend = "auto") -> None:
         self.backend = backend
         self._open: dict[nn.Module, _OpenLayer] = {}
+        self._on_error = ForwardErrorHooks(self._close_on_error)
         # per layer name: (grouped calls, stock-loop calls), kept after close
         self.counts: dict[str, tuple[int, int]] = {}
 
@@ -56,18 +57,18 @@ class GroupedCapture:
         context = GroupedAutoRoundExperts(layer, f"{name} (input capture)", self.backend)
         context.__enter__()
         try:
-            handle = layer.register_forward_hook(self._close_on_error, always_call=True)
+            self._on_error.add({layer: name})
         except BaseException:
             context.__exit__(*sys.exc_info())
             raise
-        self._open[layer] = _OpenLayer(name, context, handle)
+        self._open[layer] = _OpenLayer(name, context)
 
     def close(self, layers: Iterable[nn.Module] | None = None) -> None:
         """Give the experts of `layers` (default: all open ones) their forwards back."""
         targets = list(self._open) if layers is None else [m for m in layers if m in self._open]
         for layer in targets:
             entry = self._open.pop(layer)
-            entry.on_error.remove()
+            self._on_error.remove([layer])
             entry.context.__exit__(None, None, None)
             context = entry.context
             if context.module_names:
@@ -78,7 +79,6 @@ class GroupedCapture:
                     entry.name, context.grouped_calls, context.stock_calls,
                 )
 
-    def _close_on_error(self, layer: nn.Module, args: object, output: object) -> None:
-        """torch calls `always_call` hooks also when the forward raises: restore then."""
-        if sys.exc_info()[1] is not None:
-            self.close([layer])
+    def _close_on_error(self, layer: nn.Module, name: str, error: BaseException) -> None:
+        """The layer's forward raised: its experts get their forwards back."""
+        self.close([layer])

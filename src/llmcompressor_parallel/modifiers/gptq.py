@@ -6,7 +6,8 @@ batches run on replicas of the layer, one per device of the worker pool; this
 modifier's Hessian hook then accumulates per replica (`gptq_calibration`) and the
 partial sums are merged into stock's statistics before the update. Under any other
 pipeline the calibration forwards run serially, as in stock, and the modifier says
-once how to enable them.
+once how to enable them; there a decoder layer's forward raising stops the worker
+pool (`worker_guard`), as "parallel_sequential" does from its own `except`.
 
 Updates: at the end of each layer, the modifier forms the same update batches stock forms
 (`assign_batches`: same-shape modules such as MoE experts stacked for one call).
@@ -63,6 +64,7 @@ from llmcompressor.modifiers.gptq.helpers import (
 )
 
 from llmcompressor_parallel.calibration_pipeline import PIPELINE_NAME
+from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.update_pool import (
     UpdateJob,
     UpdateResult,
@@ -73,6 +75,7 @@ from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelO
 from llmcompressor_parallel.modifiers.gptq_batches import split_for_devices
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
 from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
+from llmcompressor_parallel.modifiers.worker_guard import guard_workers
 
 __all__ = ["ParallelGPTQExpertModifier"]
 
@@ -115,6 +118,8 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     _partials: HessianPartials | None = PrivateAttr(default=None)
     _partial_handles: list[RemovableHandle] = PrivateAttr(default_factory=list)
     _grouped: GroupedExpertsWiring | None = PrivateAttr(default=None)
+    _sequential_targets_arg: str | list[str] | None = PrivateAttr(default=None)
+    _worker_guard: ForwardErrorHooks | None = PrivateAttr(default=None)
 
     @field_validator("grouped_experts", mode="before")
     @classmethod
@@ -128,6 +133,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     # ------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs) -> bool:
         self._devices = self.resolve_parallel_devices()
+        self._sequential_targets_arg = kwargs.get("sequential_targets")
         return super().on_initialize(state, **kwargs)
 
     def on_calibration_start(self, state: State, event: Event, **kwargs):
@@ -137,6 +143,12 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             self._grouped.install(state.model)
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
+        if self._pool is not None and not self._in_parallel_pipeline:
+            if self._worker_guard is None:
+                self._worker_guard = guard_workers(
+                    type(self).__name__, state.model, self._sequential_targets_arg,
+                    self.close_workers,
+                )
         if self._devices is not None and not self._in_parallel_pipeline:
             self._tell_how_to_enable()
 
@@ -165,6 +177,9 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     def close_workers(self) -> None:
         """Stop the worker threads (idempotent); on a failed run also unpatch the experts."""
         self._release_grouped(export_pending=False)
+        guard, self._worker_guard = self._worker_guard, None
+        if guard is not None:
+            guard.remove()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()

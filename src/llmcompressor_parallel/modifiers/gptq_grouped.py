@@ -27,9 +27,10 @@ What runs grouped, and when (with `grouped_experts=True`):
 Failures: under any pipeline but "parallel_sequential" nothing of ours sees an
 exception leave a layer's forward, so `install` puts an always-called forward hook on
 every module whose forward raising ends the run (the experts' ancestors and the
-decoder layers beside them). When one raises, every experts module gets its own
-forward back, the stacks are freed and the owner's device workers stop
-(`close_workers`), and the error goes on unchanged. "parallel_sequential" does the
+decoder layers beside them; `engine.forward_error_hooks`). When one raises, every
+experts module gets its own forward back, the stacks are freed and the owner's
+device workers stop (`close_workers`), and the error goes on unchanged.
+"parallel_sequential" does the
 same from its own `except`; there no hook is registered (it would make every pass
 serial, and part 0 runs the home layer in a worker thread, which cannot stop the pool).
 
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -59,11 +59,11 @@ from compressed_tensors.offload.dist_utils import is_distributed
 from compressed_tensors.utils import get_execution_device, getattr_chain
 from loguru import logger
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 from llmcompressor.modifiers.utils.hooks import HooksMixin
 from llmcompressor_parallel.engine.calibration_hooks import firing_hooks
+from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.hooks import global_hooks
 from llmcompressor_parallel.engine.grouped_experts import (
     GroupedExperts,
@@ -78,11 +78,6 @@ if TYPE_CHECKING:
 __all__ = ["GroupedExpertsWiring"]
 
 _MISSING = object()
-_FORWARD_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
 # (entries of GPTQ's dicts before the experts' first accumulating call, tie-breaker)
 Position = tuple[int, int]
 
@@ -129,8 +124,7 @@ class GroupedExpertsWiring:
         self._hooked: set[nn.Module] = set()
         self._logged: set[tuple[str, str]] = set()
         self._sequence = itertools.count()
-        self._error_hooks: dict[nn.Module, tuple[str, RemovableHandle]] = {}
-        self._unwinding: nn.Module | None = None  # whose failed forward is calling `close`
+        self._error_hooks = ForwardErrorHooks(self._close_on_error)
         self._closed = False
         self.counts: Counter[tuple[str, str]] = Counter()  # (pass kind, "grouped"/"stock")
 
@@ -187,28 +181,20 @@ class GroupedExpertsWiring:
                         targets.setdefault(member, f"{prefix}.{index}")
                 else:
                     targets.setdefault(ancestor, prefix or "<root>")
-        for module, name in targets.items():
-            handle = module.register_forward_hook(self._close_on_error, always_call=True)
-            self._error_hooks[module] = (name, handle)
+        self._error_hooks.add(targets)
 
-    def _close_on_error(self, module: nn.Module, args: Any, output: Any) -> None:
-        """torch calls `always_call` hooks also when the forward raises: close then."""
-        error = sys.exc_info()[1]
-        if output is not None or error is None or self._closed:
+    def _close_on_error(self, module: nn.Module, name: str, error: BaseException) -> None:
+        """A guarded module's forward raised: close everything."""
+        if self._closed:
             return
-        name = self._error_hooks[module][0] if module in self._error_hooks else "?"
         logger.warning(
             "{}: forward raised {}: MoE experts get their own forwards back, grouped "
             "stacks are freed, device workers stop",
             name,
             type(error).__name__,
         )
-        self._unwinding = module
-        try:
-            self.close(export_pending=False)
-            self.owner.close_workers()
-        finally:
-            self._unwinding = None
+        self.close(export_pending=False)
+        self.owner.close_workers()
 
     def epoch_end(self, modules: Sequence[nn.Module]) -> None:
         """Export the layer's statistics at stock's place in GPTQ's dicts; drop its stacks."""
@@ -234,9 +220,7 @@ class GroupedExpertsWiring:
         if self._closed:
             return
         self._closed = True
-        hooks, self._error_hooks = self._error_hooks, {}
-        for module, (_name, handle) in hooks.items():
-            _remove_hook(module, handle, iterating=module is self._unwinding)
+        self._error_hooks.remove()
         if export_pending and self._to_merge:
             self.merge_parallel(merge=True, offset=len(self.owner._hessians))
         self._to_merge = []
@@ -493,23 +477,6 @@ class GroupedExpertsWiring:
             return
         self._logged.add((name, reason))
         logger.info("{}: experts run as llm-compressor's loop ({}): {}", name, where, reason)
-
-
-def _remove_hook(module: nn.Module, handle: RemovableHandle, iterating: bool) -> None:
-    """Remove a forward hook, also from inside the always-called pass of a failed forward.
-
-    There torch is iterating `module`'s hook dict: deleting from it would replace the
-    forward's error by "OrderedDict mutated during iteration" when another hook comes
-    after ours, so the module gets new dicts without the hook instead.
-    """
-    if not iterating:
-        handle.remove()
-        return
-    for attribute in _FORWARD_HOOK_DICTS:
-        hooks = getattr(module, attribute)
-        if handle.id in hooks:
-            kept = type(hooks)((key, value) for key, value in hooks.items() if key != handle.id)
-            setattr(module, attribute, kept)
 
 
 def _kind(calibrating: bool) -> str:
