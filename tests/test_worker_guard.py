@@ -103,6 +103,15 @@ def _fail_in_layer_1(monkeypatch, model: nn.Module, fail_at: int) -> list[int]:
     return calls
 
 
+def _assert_oneshot_raises_the_injected_failure(model: nn.Module, recipe: Any) -> None:
+    with pytest.raises(RuntimeError) as error:
+        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
+                num_calibration_samples=SAMPLES, max_seq_length=32,
+                shuffle_calibration_samples=False)
+    assert type(error.value) is RuntimeError
+    assert str(error.value) == "injected failure in model.layers.1"
+
+
 def _assert_nothing_left(model: nn.Module, recipe: Any) -> None:
     assert live_worker_threads() == []
     assert recipe._pool is None and recipe._worker_guard is None
@@ -119,12 +128,7 @@ def test_gptq_layer_forward_raising_under_stock_pipeline_stops_the_workers(
         targets="Linear", scheme="W4A16", ignore=["lm_head"],
     )
     calls = _fail_in_layer_1(monkeypatch, model, fail_at=3)
-    with pytest.raises(RuntimeError) as error:
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False)
-    assert type(error.value) is RuntimeError
-    assert str(error.value) == "injected failure in model.layers.1"
+    _assert_oneshot_raises_the_injected_failure(model, recipe)
     assert calls[0] == 3
     _assert_nothing_left(model, recipe)
 
@@ -139,11 +143,6 @@ def test_autoround_layer_forward_raising_in_input_capture_stops_the_workers(
         iters=2, data_parallel=["cpu", "cpu"], grouped_experts=False, **AUTOROUND_ARGS
     )
     calls = _fail_in_layer_1(monkeypatch, model, fail_at=2)
-    with pytest.raises(RuntimeError) as error:
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False)
-    assert type(error.value) is RuntimeError
-    assert str(error.value) == "injected failure in model.layers.1"
+    _assert_oneshot_raises_the_injected_failure(model, recipe)
     assert calls[0] == 2
     _assert_nothing_left(model, recipe)
