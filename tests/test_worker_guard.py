@@ -146,3 +146,20 @@ def test_autoround_layer_forward_raising_in_input_capture_stops_the_workers(
     _assert_oneshot_raises_the_injected_failure(model, recipe)
     assert calls[0] == 2
     _assert_nothing_left(model, recipe)
+
+
+def test_gptq_reused_after_a_failed_parallel_run_forgets_the_pipeline(model_dirs, monkeypatch):
+    """A failed parallel_sequential run, then the same instance under the stock pipeline:
+    the second run must install its guard again (it is skipped under parallel_sequential)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["dense"], dtype=torch.float32)
+    recipe = ParallelGPTQExpertModifier(
+        data_parallel=["cpu", "cpu"], grouped_experts=False,
+        targets="Linear", scheme="W4A16", ignore=["lm_head"],
+    )
+    _fail_in_layer_1(monkeypatch, model, fail_at=1)
+    with pytest.raises(Exception):
+        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
+                num_calibration_samples=SAMPLES, max_seq_length=32,
+                shuffle_calibration_samples=False, pipeline="parallel_sequential")
+    assert not recipe._in_parallel_pipeline
+    assert live_worker_threads() == []

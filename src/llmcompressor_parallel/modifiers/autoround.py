@@ -229,12 +229,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     def close_workers(self) -> None:
         """Stop the worker threads and end every grouped capture (idempotent)."""
         self._close_capture(None)
-        guard, self._worker_guard = self._worker_guard, None
-        if guard is not None:
-            guard.remove()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        self.stop_workers()
 
     def _close_capture(self, layers: list[nn.Module] | None) -> None:
         """Give the experts of `layers` (None: all) back their forwards."""

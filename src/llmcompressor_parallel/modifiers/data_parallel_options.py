@@ -39,6 +39,19 @@ class DataParallelOptions(BaseModel):
     def _check_data_parallel(cls, value: Any) -> DataParallelSpec:
         return validate_data_parallel(value)
 
+    def stop_workers(self) -> None:
+        """Remove the worker guard and stop the pool's threads (idempotent).
+
+        Both modifiers hold `_pool` (a `DeviceWorkerPool`) and `_worker_guard` (the
+        forward-error hooks that stop it when a layer raises, `worker_guard`).
+        """
+        guard, self._worker_guard = self._worker_guard, None
+        if guard is not None:
+            guard.remove()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
     def resolve_parallel_devices(self) -> list[torch.device] | None:
         """This process's devices (this rank's, under torch.distributed), or None: serial.
 

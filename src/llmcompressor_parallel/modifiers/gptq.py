@@ -175,14 +175,14 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         return super().on_finalize(state, **kwargs)
 
     def close_workers(self) -> None:
-        """Stop the worker threads (idempotent); on a failed run also unpatch the experts."""
+        """Stop the worker threads (idempotent); on a failed run also unpatch the experts.
+
+        Also forgets the pipeline: a modifier reused after a failed run must find out
+        again which pipeline it runs under.
+        """
         self._release_grouped(export_pending=False)
-        guard, self._worker_guard = self._worker_guard, None
-        if guard is not None:
-            guard.remove()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        self._in_parallel_pipeline = False
+        self.stop_workers()
 
     def _release_grouped(self, export_pending: bool) -> None:
         """Give the experts their forwards back; drop (or first export) what is held."""
