@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.autoround import AutoRoundModifier  # noqa: E402
 from llmcompressor_parallel import DataParallelAutoRoundModifier  # noqa: E402
 from phases import PhaseTimer, autoround_phases  # noqa: E402
-from report import emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
+from report import bench_folders, emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 
 
@@ -94,12 +93,10 @@ def main() -> None:
     parser.add_argument("--no-grouped", action="store_true", help="ours without grouped experts")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work or tempfile.mkdtemp(prefix="llmc-bench-"))
+    out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")
     records = []
     for shape in args.shapes:
-        model_dir = save_random_model(shape, args.layers, work / shape)
+        model_dir = save_random_model(shape, args.layers, work / f"{shape}-{args.layers}-layers")
         stock_seconds = None
         configs = {"stock-1gpu": (None, False)}
         for cache in args.cache:  # by name: "default" on 2 GPUs and "on" are one configuration

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
 from llmcompressor_parallel import ParallelGPTQExpertModifier  # noqa: E402
 from oneshot_runs import compare_checkpoints  # noqa: E402
 from phases import PhaseTimer, gptq_phases  # noqa: E402
-from report import emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
+from report import bench_folders, emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 from tiny_models import load_saved_tensors  # noqa: E402
 
@@ -72,12 +71,10 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder for models and checkpoints")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work or tempfile.mkdtemp(prefix="llmc-bench-gptq-"))
+    out, work = bench_folders(args.out, args.work, prefix="llmc-bench-gptq-")
     records = []
     for shape in args.shapes:
-        model_dir = save_random_model(shape, args.layers, work / shape)
+        model_dir = save_random_model(shape, args.layers, work / f"{shape}-{args.layers}-layers")
         stock = None
         for gpus in [None, *args.gpus]:
             name = "stock-1gpu" if gpus is None else f"ours-{gpus}gpu"

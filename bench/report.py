@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,6 +28,17 @@ def reset_peak_memory() -> None:
                 torch.cuda.reset_peak_memory_stats(index)
             except RuntimeError:  # no context on that GPU yet: nothing to reset
                 pass
+
+
+def bench_folders(out: str, work: str | None, prefix: str) -> tuple[Path, Path]:
+    """The results folder (created) and the folder for models and checkpoints.
+
+    Model folders are named by shape and layer count (the caller's job), because a
+    kept work folder would otherwise hand a later run a model of another depth.
+    """
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir, Path(work or tempfile.mkdtemp(prefix=prefix))
 
 
 def emit(record: dict, out_dir: Path) -> None:
