@@ -30,7 +30,10 @@ from llmcompressor_parallel.engine.expert_tokens import TokenMode
 from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.modifiers.autoround_capture import GroupedCapture
-from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
+from llmcompressor_parallel.modifiers.data_parallel_options import (
+    DataParallelOptions,
+    check_allowed,
+)
 from llmcompressor_parallel.modifiers.layer_safety import restore_layer_on_error
 from llmcompressor_parallel.modifiers.pipeline_compat import disable_error_propagation
 from llmcompressor_parallel.modifiers.worker_guard import guard_workers
@@ -110,38 +113,22 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     @field_validator("parallel_batch", mode="before")
     @classmethod
     def _check_parallel_batch(cls, value: Any) -> str:
-        if value not in _PARALLEL_BATCH_VALUES:
-            raise ValueError(
-                f"parallel_batch={value!r} is not valid; allowed values: "
-                + ", ".join(repr(v) for v in _PARALLEL_BATCH_VALUES)
-            )
-        return value
+        return check_allowed("parallel_batch", value, _PARALLEL_BATCH_VALUES)
 
     @field_validator("grouped_experts", mode="before")
     @classmethod
     def _check_grouped_experts(cls, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"grouped_experts={value!r} is not valid; allowed values: True, False")
-        return value
+        return check_allowed("grouped_experts", value, (True, False))
 
     @field_validator("grouped_expert_tokens", mode="before")
     @classmethod
     def _check_grouped_expert_tokens(cls, value: Any) -> str:
-        if not isinstance(value, str) or value not in _EXPERT_TOKENS:
-            raise ValueError(
-                f"grouped_expert_tokens={value!r} is not valid; allowed values: "
-                + ", ".join(repr(v) for v in _EXPERT_TOKENS)
-            )
-        return value
+        return check_allowed("grouped_expert_tokens", value, _EXPERT_TOKENS)
 
     @field_validator("keep_cache_on_gpu", mode="before")
     @classmethod
     def _check_keep_cache_on_gpu(cls, value: Any) -> bool | None:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(
-                f"keep_cache_on_gpu={value!r} is not valid; allowed values: None, True, False"
-            )
-        return value
+        return check_allowed("keep_cache_on_gpu", value, (None, True, False))
 
     # ------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs) -> bool:

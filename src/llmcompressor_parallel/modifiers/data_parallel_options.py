@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 from compressed_tensors.offload.dist_utils import is_distributed
@@ -19,7 +19,21 @@ from llmcompressor_parallel.engine.rank_devices import (
     resolve_rank_devices,
 )
 
-__all__ = ["DataParallelOptions", "refuse_active_process_group"]
+__all__ = ["DataParallelOptions", "check_allowed", "refuse_active_process_group"]
+
+
+def check_allowed(name: str, value: Any, allowed: Iterable[Any]) -> Any:
+    """`value` if it is one of `allowed`, else the error every knob gives, listing them.
+
+    Compared by type and value, so 1 is not taken for True nor 0 for False.
+    """
+    allowed = tuple(allowed)
+    if not any(isinstance(value, type(v)) and value == v for v in allowed):
+        raise ValueError(
+            f"{name}={value!r} is not valid; allowed values: "
+            + ", ".join(repr(v) for v in allowed)
+        )
+    return value
 
 
 class DataParallelOptions(BaseModel):

@@ -71,7 +71,10 @@ from llmcompressor_parallel.engine.update_pool import (
     run_update_jobs,
 )
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
-from llmcompressor_parallel.modifiers.data_parallel_options import DataParallelOptions
+from llmcompressor_parallel.modifiers.data_parallel_options import (
+    DataParallelOptions,
+    check_allowed,
+)
 from llmcompressor_parallel.modifiers.gptq_batches import split_for_devices
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
 from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
@@ -124,11 +127,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     @field_validator("grouped_experts", mode="before")
     @classmethod
     def _check_grouped_experts(cls, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ValueError(
-                f"grouped_experts={value!r} is not valid; allowed values: True, False"
-            )
-        return value
+        return check_allowed("grouped_experts", value, (True, False))
 
     # ------------------------------------------------------------ lifecycle
     def on_initialize(self, state: State, **kwargs) -> bool:
