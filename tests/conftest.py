@@ -33,3 +33,18 @@ def model_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {kind: save_tiny_model(kind, root / kind) for kind in ("dense", "moe")}
+
+
+@pytest.fixture
+def linear_fails_on_worker_1(monkeypatch):
+    """Every nn.Linear raises in the thread of pool worker 1, and only there."""
+    import threading
+
+    original = torch.nn.Linear.forward
+
+    def failing(self, x):
+        if threading.current_thread().name.startswith("llmc-parallel-1"):
+            raise RuntimeError("injected replica failure")
+        return original(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", failing)

@@ -37,6 +37,16 @@ def run_oneshot(model_dir: Path, recipe, output_dir: Path, samples: int = 16, se
     return load_saved_tensors(output_dir)
 
 
+def calibrate_in_order(model, recipe, samples: int, **oneshot_args) -> None:
+    """oneshot on `samples` tiny calibration samples in their given order, nothing saved.
+
+    For the tests that break a run on purpose and then look at the model and modifier.
+    """
+    oneshot(model=model, dataset=calibration_data(samples), recipe=recipe,
+            num_calibration_samples=samples, max_seq_length=32,
+            shuffle_calibration_samples=False, **oneshot_args)
+
+
 def compare_checkpoints(stock: dict, ours: dict) -> dict[str, float]:
     """Share of identical quantized integers, worst relative scale gap, other tensors equal."""
     assert stock.keys() == ours.keys()

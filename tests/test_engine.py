@@ -125,24 +125,17 @@ def test_replicas_follow_changes_of_the_home_layer(layer_and_inputs):
     assert torch.equal(parallel, serial)
 
 
-def test_failure_in_one_replica_names_the_device_and_stops_cleanly(layer_and_inputs):
+def test_failure_in_one_replica_names_the_device_and_stops_cleanly(
+    layer_and_inputs, linear_fails_on_worker_1
+):
     layer, inputs = layer_and_inputs
     before = {n: p.clone() for n, p in layer.state_dict().items()}
     pool = DeviceWorkerPool([CPU, CPU])
-    original = torch.nn.Linear.forward
-
-    def failing_forward(self, x):
-        if threading.current_thread().name.startswith("llmc-parallel-1"):
-            raise RuntimeError("injected replica failure")
-        return original(self, x)
-
-    torch.nn.Linear.forward = failing_forward
     try:
         with pytest.raises(ReplicaError, match=r"worker 1 on device cpu failed: RuntimeError: injected"):
             with FanOut(layer, pool):
                 layer(**inputs)
     finally:
-        torch.nn.Linear.forward = original
         pool.close()
     assert not live_worker_threads()
     assert "forward" not in layer.__dict__

@@ -39,7 +39,7 @@ from llmcompressor_parallel.engine.offload_forward import is_offload_wrapper
 from llmcompressor_parallel.engine.worker_pool import ReplicaError, live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
-from oneshot_runs import compare_checkpoints, log_lines
+from oneshot_runs import calibrate_in_order, compare_checkpoints, log_lines
 from tiny_models import calibration_data, load_saved_tensors, unpack_int4
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -310,9 +310,7 @@ def test_failing_replica_stops_the_run_and_leaves_nothing_behind(model_dirs, mon
     model = AutoModelForCausalLM.from_pretrained(model_dirs["dense"], dtype=torch.float32)
     recipe = ParallelGPTQExpertModifier(data_parallel=["cpu", "cpu"], **ARGS)
     with pytest.raises(ReplicaError, match="worker 1 on device cpu failed: RuntimeError: injected"):
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False, pipeline=PIPELINE_NAME)
+        calibrate_in_order(model, recipe, SAMPLES, pipeline=PIPELINE_NAME)
 
     assert live_worker_threads() == []
     assert recipe._hessians == {} and recipe._partials is None
@@ -353,9 +351,7 @@ def test_failing_layer_forward_on_one_part_leaves_every_forward_as_before(
     model = AutoModelForCausalLM.from_pretrained(model_dirs["dense"], dtype=torch.float32)
     recipe = ParallelGPTQExpertModifier(data_parallel=["cpu", "cpu"], **ARGS)
     with pytest.raises(ReplicaError, match="worker 1 on device cpu failed: RuntimeError: injected") as error:
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False, pipeline=PIPELINE_NAME)
+        calibrate_in_order(model, recipe, SAMPLES, pipeline=PIPELINE_NAME)
 
     assert error.value.device == torch.device("cpu") and error.value.worker == 1
     assert live_worker_threads() == []

@@ -51,7 +51,7 @@ from llmcompressor_parallel.engine.offload_forward import is_offload_wrapper
 from llmcompressor_parallel.engine.worker_pool import ReplicaError, live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
-from oneshot_runs import compare_checkpoints
+from oneshot_runs import calibrate_in_order, compare_checkpoints
 from tiny_models import calibration_data, load_saved_tensors, moe_config
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -345,9 +345,7 @@ def test_failing_grouped_replica_leaves_the_model_unpatched(model_dirs, monkeypa
     model = AutoModelForCausalLM.from_pretrained(model_dirs["moe"], dtype=torch.float32)
     recipe = ParallelGPTQExpertModifier(data_parallel=["cpu", "cpu"], **ARGS)
     with pytest.raises(ReplicaError, match="RuntimeError: injected"):
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False, pipeline=PIPELINE_NAME)
+        calibrate_in_order(model, recipe, SAMPLES, pipeline=PIPELINE_NAME)
     assert live_worker_threads() == []
     assert recipe._grouped is None and recipe._hessians == {}
     experts = [m for m in model.modules() if isinstance(m, LinearExperts2D)]
@@ -400,9 +398,7 @@ def test_failing_layer_forward_under_stock_pipeline_leaves_nothing_grouped(
     monkeypatch.setattr(GroupedExperts, "__init__", recording_init)
     _CALLS.clear()
     with pytest.raises(RuntimeError) as error:
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False)
+        calibrate_in_order(model, recipe, SAMPLES)
     assert type(error.value) is RuntimeError
     assert str(error.value) == "injected failure in model.layers.1"
     assert grouped_when_failing == [True]

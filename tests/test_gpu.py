@@ -1,6 +1,5 @@
 """GPU behaviour (marker `gpu`; skipped without 2 GPUs). Run on the device machine."""
 
-import threading
 
 import pytest
 import torch
@@ -32,23 +31,14 @@ def test_fan_out_over_two_gpus_matches_serial():
     assert forward_gap < 1e-5 and grad_gap < 1e-4
 
 
-def test_failure_on_second_gpu_names_it():
+def test_failure_on_second_gpu_names_it(linear_fails_on_worker_1):
     layer, inputs = decoder_layer_and_inputs("cuda:0", batch=6, seq_len=32)
-    original = torch.nn.Linear.forward
-
-    def failing(self, x):
-        if threading.current_thread().name.startswith("llmc-parallel-1"):
-            raise RuntimeError("injected")
-        return original(self, x)
-
-    torch.nn.Linear.forward = failing
     pool = DeviceWorkerPool([torch.device("cuda:0"), torch.device("cuda:1")])
     try:
         with pytest.raises(ReplicaError, match="device cuda:1"):
             with FanOut(layer, pool):
                 layer(**inputs)
     finally:
-        torch.nn.Linear.forward = original
         pool.close()
     assert not live_worker_threads()
 

@@ -15,13 +15,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from llmcompressor import oneshot
 from llmcompressor_parallel import DataParallelAutoRoundModifier
 from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.worker_pool import live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
-from oneshot_runs import AUTOROUND_ARGS
-from tiny_models import calibration_data
+from oneshot_runs import AUTOROUND_ARGS, calibrate_in_order
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -105,9 +103,7 @@ def _fail_in_layer_1(monkeypatch, model: nn.Module, fail_at: int) -> list[int]:
 
 def _assert_oneshot_raises_the_injected_failure(model: nn.Module, recipe: Any) -> None:
     with pytest.raises(RuntimeError) as error:
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False)
+        calibrate_in_order(model, recipe, SAMPLES)
     assert type(error.value) is RuntimeError
     assert str(error.value) == "injected failure in model.layers.1"
 
@@ -158,8 +154,6 @@ def test_gptq_reused_after_a_failed_parallel_run_forgets_the_pipeline(model_dirs
     )
     _fail_in_layer_1(monkeypatch, model, fail_at=1)
     with pytest.raises(Exception):
-        oneshot(model=model, dataset=calibration_data(SAMPLES), recipe=recipe,
-                num_calibration_samples=SAMPLES, max_seq_length=32,
-                shuffle_calibration_samples=False, pipeline="parallel_sequential")
+        calibrate_in_order(model, recipe, SAMPLES, pipeline="parallel_sequential")
     assert not recipe._in_parallel_pipeline
     assert live_worker_threads() == []
