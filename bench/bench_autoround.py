@@ -53,7 +53,8 @@ def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | Non
     else:
         data_parallel = ["cpu"] * gpus if args.cpu else gpus
     return DataParallelAutoRoundModifier(data_parallel=data_parallel, keep_cache_on_gpu=keep_cache,
-                                         grouped_experts=not args.no_grouped, **common)
+                                         grouped_experts=not args.no_grouped,
+                                         grouped_qdq_once=not args.no_qdq_once, **common)
 
 
 def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: Path | None,
@@ -91,6 +92,9 @@ def main() -> None:
                         help="keep_cache_on_gpu of ours: default (the modifier's: on when data-parallel), "
                              "off, on; several run one after another")
     parser.add_argument("--no-grouped", action="store_true", help="ours without grouped experts")
+    parser.add_argument("--no-qdq-once", action="store_true",
+                        help="grouped experts' replicas each compute their own qdq (the tuning "
+                             "parameters are sent to them) instead of receiving the home's")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")

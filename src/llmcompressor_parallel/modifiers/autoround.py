@@ -95,12 +95,21 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         floating-point order, top_k/experts of the FLOPs and memory). "auto"
         (default): "all" where its estimated transients fit the device's free memory
         at the layer's first tuning call, else "routed" with a log line.
+    :param grouped_qdq_once: with grouped experts and data-parallel replicas: in each
+        fanned-out tuning call the layer's device fake-quantizes the experts' weights
+        once and sends the two quantized stacks to the replicas (one differentiable
+        copy each), instead of sending every expert's tuning parameters and letting
+        each replica repeat the whole qdq (default True; the forward is the same bit
+        for bit, gradients are summed before the one qdq backward). Where a replica's
+        experts could not run grouped, that call runs serially, with a log line.
+        False: each replica receives the parameters and computes its own qdq.
     """
 
     parallel_batch: ParallelBatch = "split"
     keep_cache_on_gpu: bool | None = None
     grouped_experts: bool = True
     grouped_expert_tokens: ExpertTokens = "auto"
+    grouped_qdq_once: bool = True
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -117,11 +126,13 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             )
         return value
 
-    @field_validator("grouped_experts", mode="before")
+    @field_validator("grouped_experts", "grouped_qdq_once", mode="before")
     @classmethod
-    def _check_grouped_experts(cls, value: Any) -> bool:
+    def _check_grouped_flags(cls, value: Any, info: Any) -> bool:
         if not isinstance(value, bool):
-            raise ValueError(f"grouped_experts={value!r} is not valid; allowed values: True, False")
+            raise ValueError(
+                f"{info.field_name}={value!r} is not valid; allowed values: True, False"
+            )
         return value
 
     @field_validator("grouped_expert_tokens", mode="before")
@@ -271,6 +282,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                         stack.enter_context(GroupedAutoRoundExperts(
                             block, name,
                             all_tokens=_EXPERT_TOKENS[modifier.grouped_expert_tokens],
+                            qdq_once=modifier.grouped_qdq_once,
                         ))
                         if modifier.grouped_experts
                         else None
