@@ -337,8 +337,9 @@ class _Site:
             )
         plan = self.plan_for(experts, shipped=rows is not None and experts is not self.home)
         reason = plan.reason if plan.runner is None else _call_reason(plan, hidden_states)
-        if reason is not None and rows is not None:
-            # never the stock loop here: a replica holds no tuning parameters (or stale ones)
+        if reason is not None and rows is not None and experts is not self.home:
+            # never the stock loop here: a replica holds no tuning parameters (the home
+            # does, and takes the stock loop as usual)
             raise RuntimeError(
                 f"{self.name}: in a qdq-once fan-out the experts on {hidden_states.device} "
                 f"cannot run grouped ({reason}) and have no tuning parameters for the "
@@ -455,6 +456,8 @@ class GroupedAutoRoundExperts:
             modules = replicas.counterparts(site.home, parts)
             if modules is None or all(m is site.home for m in modules):
                 continue  # not inside the fanned-out layer, or only the home runs
+            if not any(m is site.home for m in modules):
+                continue  # the home runs no part (it sits elsewhere): each replica its own qdq
             home_plan = site.plan_for(site.home)
             runner = home_plan.runner
             if not isinstance(runner, QuantizedGroupedExperts):
