@@ -190,3 +190,65 @@ def test_cpu_timing_128_experts(pool):
     print(f"\nCPU, {experts} experts, hidden {HIDDEN}, {x.shape[0] * x.shape[1]} tokens, "
           "bf16 autocast, fwd+bwd ms (median of 3): "
           + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
+
+
+def test_oneshot_two_cpu_replicas_qdq_once_vs_per_replica(tmp_path, monkeypatch):
+    """oneshot on a tiny MoE, 2 CPU replicas: qdq once ships on every tuning call with
+    wrapped experts, and tunes as well as each replica computing its own qdq.
+
+    Not compared int by int: SignSGD runs differ from the first gradient sign that
+    differs, and auto-round keeps the best iteration's parameters, so a run that beats
+    the initial loss once (qdq once at layer 0 here, iter 9: 8.02e-6 < 8.30e-6, where
+    serial and per-replica keep iter 0) quantizes half the ints differently.
+    """
+    from oneshot_runs import AUTOROUND_ARGS, block_losses, compare_checkpoints
+    from tiny_models import calibration_data, load_saved_tensors, save_tiny_model
+
+    from llmcompressor import oneshot
+    from llmcompressor_parallel import DataParallelAutoRoundModifier
+
+    model = save_tiny_model("moe", tmp_path / "model")
+    shipped: list[bool] = []  # per fanned-out call with wrapped experts: qdq shipped
+    plain_calls: list[bool] = []  # calls with plain experts (reference outputs, after unwrap)
+    prepare = GroupedAutoRoundExperts.prepare_fan_out
+
+    def recorded(self, replicas, parts):
+        result = prepare(self, replicas, parts)
+        if any(isinstance(m, WrapperLinear) for m in self.layer.modules()):
+            shipped.append(result is not None)
+        else:
+            plain_calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(GroupedAutoRoundExperts, "prepare_fan_out", recorded)
+
+    def quantize(output: str, qdq_once: bool) -> tuple[dict[str, torch.Tensor], list]:
+        torch.manual_seed(0)
+        with block_losses() as losses:
+            oneshot(
+                model=str(model), dataset=calibration_data(16, 32),
+                output_dir=str(tmp_path / output),
+                recipe=DataParallelAutoRoundModifier(
+                    iters=10, data_parallel=["cpu", "cpu"], grouped_qdq_once=qdq_once,
+                    **AUTOROUND_ARGS,
+                ),
+                num_calibration_samples=16, max_seq_length=32,
+            )
+        return load_saved_tensors(tmp_path / output), list(losses)
+
+    per_replica, per_replica_losses = quantize("per_replica", False)
+    assert not shipped  # not registered with qdq once off
+    once, once_losses = quantize("once", True)
+    assert shipped and all(shipped) and not any(plain_calls)
+    figures = compare_checkpoints(per_replica, once)
+    print(f"\noneshot tiny MoE, 2 CPU replicas, 10 iters, qdq once vs per replica: {figures}; "
+          f"{len(shipped)} fanned-out calls with wrapped experts, all shipped; "
+          f"{len(plain_calls)} with plain experts, none; block losses (first, best) per "
+          f"replica {per_replica_losses}, qdq once {once_losses}")
+    assert figures["other_tensors_equal"] == 1.0
+    assert once_losses[0][0] == per_replica_losses[0][0]  # same inputs, same forward
+    for first, best in once_losses:
+        assert best <= first
+    total_once = sum(best for _, best in once_losses)
+    total_per_replica = sum(best for _, best in per_replica_losses)
+    assert total_once <= 1.1 * total_per_replica
