@@ -23,7 +23,6 @@ from test_grouped_autoround import (
     run,
     show,
     wrapped_block,
-    wrappers,
 )
 
 from auto_round.wrapper import WrapperLinear
