@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,14 @@ def _cache_suffix(gpus: int, keep_cache: bool | None) -> str:
     return "-gpucache" if on else ""
 
 
-def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | None = None):
+def _variant_suffix(gpus: int, tokens: str, qdq_once: bool) -> str:
+    """How the config is named when it departs from the defaults: "-routed", "-qdq-each"."""
+    suffix = "" if tokens == "auto" else f"-{tokens}"
+    return suffix + ("" if qdq_once or gpus == 1 else "-qdq-each")
+
+
+def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | None = None,
+              tokens: str = "auto", qdq_once: bool = True):
     """gpus=None: stock; else ours on that many devices (1: data_parallel="off")."""
     common = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"],
                   iters=args.iters, batch_size=args.batch_size, enable_torch_compile=False)
@@ -53,18 +61,20 @@ def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | Non
     else:
         data_parallel = ["cpu"] * gpus if args.cpu else gpus
     return DataParallelAutoRoundModifier(data_parallel=data_parallel, keep_cache_on_gpu=keep_cache,
-                                         grouped_experts=not args.no_grouped, **common)
+                                         grouped_experts=not args.no_grouped,
+                                         grouped_expert_tokens=tokens, grouped_qdq_once=qdq_once,
+                                         **common)
 
 
 def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: Path | None,
-         keep_cache: bool | None = None) -> tuple[PhaseTimer, float]:
+         variant: tuple = ()) -> tuple[PhaseTimer, float]:
     timer = PhaseTimer()
     reset_peak_memory()
     torch.manual_seed(0)
     start = time.perf_counter()
     with autoround_phases(timer):
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
-                recipe=_modifier(gpus, args, keep_cache), num_calibration_samples=args.samples,
+                recipe=_modifier(gpus, args, *variant), num_calibration_samples=args.samples,
                 max_seq_length=args.seq_len, output_dir=str(save_dir) if save_dir else None)
     return timer, time.perf_counter() - start
 
@@ -91,6 +101,11 @@ def main() -> None:
                         help="keep_cache_on_gpu of ours: default (the modifier's: on when data-parallel), "
                              "off, on; several run one after another")
     parser.add_argument("--no-grouped", action="store_true", help="ours without grouped experts")
+    parser.add_argument("--expert-tokens", nargs="+", choices=["auto", "all", "routed"],
+                        default=["auto"], help="grouped_expert_tokens of ours; several run in turn")
+    parser.add_argument("--qdq-once", nargs="+", choices=["on", "off"], default=["on"],
+                        help="grouped_qdq_once of ours on >= 2 GPUs (off: each replica computes "
+                             "its own qdq from the tuning parameters sent to it); several run in turn")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")
@@ -98,17 +113,20 @@ def main() -> None:
     for shape in args.shapes:
         model_dir = save_random_model(shape, args.layers, work / f"{shape}-{args.layers}-layers")
         stock_seconds = None
-        configs = {"stock-1gpu": (None, False)}
-        for cache in args.cache:  # by name: "default" on 2 GPUs and "on" are one configuration
-            for g in args.gpus:
-                configs.setdefault(f"ours-{g}gpu" + _cache_suffix(g, CACHE_CHOICES[cache]),
-                                   (g, CACHE_CHOICES[cache]))
-        for name, (gpus, keep_cache) in configs.items():
+        configs = {"stock-1gpu": (None, ())}
+        for cache, tokens, qdq, g in itertools.product(args.cache, args.expert_tokens,
+                                                       args.qdq_once, args.gpus):
+            # by name: "default" on 2 GPUs and "on" are one configuration, qdq is moot on 1
+            keep_cache = CACHE_CHOICES[cache]
+            name = (f"ours-{g}gpu" + _cache_suffix(g, keep_cache)
+                    + _variant_suffix(g, tokens, qdq == "on"))
+            configs.setdefault(name, (g, (keep_cache, tokens, qdq == "on")))
+        for name, (gpus, variant) in configs.items():
             if gpus is not None and not args.cpu and gpus > torch.cuda.device_count():
                 emit({"shape": shape, "config": name, "skipped": "not enough GPUs"}, out)
                 continue
             save_dir = work / f"{shape}-{name}"
-            timer, total = _run(model_dir, gpus, args, save_dir, keep_cache)
+            timer, total = _run(model_dir, gpus, args, save_dir, variant)
             layer = timer.layers[-1]  # the last layer: warm, steady state
             seconds = layer["capture"] + layer["layer_work"]
             record = {
@@ -128,7 +146,7 @@ def main() -> None:
                 record["phase_speedups"] = {k: round(stock_layer[k] / max(layer.get(k, 1e-9), 1e-9), 3)
                                             for k in stock_layer}
                 record["parallel_efficiency"] = round(record["tuning_speedup"] / gpus, 3)
-                record["keep_cache_on_gpu"] = keep_cache
+                record["keep_cache_on_gpu"], record["expert_tokens"], record["qdq_once"] = variant
                 record["vs_stock_checkpoint"] = _agreement(work / f"{shape}-stock-1gpu", save_dir)
             emit(record, out)
             records.append(record)

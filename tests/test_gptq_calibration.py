@@ -195,6 +195,28 @@ def test_one_batch_per_device_is_bit_identical(
     assert live_worker_threads() == []
 
 
+def test_parts_load_batches_onto_their_own_device(
+    model_dirs, tmp_path_factory, tmp_path, monkeypatch
+):
+    """A replica's batches go straight to its device where the subgraph outside the
+    layers holds no tensors (`engine.part_onload`), through the home device where it
+    does (the first subgraph: embeddings); stock's bits either way."""
+    direct: list[tuple[int, torch.device]] = []
+    real = calibration_pipeline.fetch_to
+
+    def counting(cache, batch_index, names, device):
+        direct.append((batch_index, device))
+        return real(cache, batch_index, names, device)
+
+    monkeypatch.setattr(calibration_pipeline, "fetch_to", counting)
+    expected = stock(model_dirs, tmp_path_factory, "dense", 8)
+    actual = parallel(model_dirs, tmp_path, "dense", 2, batch_size=8)
+    print("direct fetches:", direct)
+    # the second layer's calibration and propagation passes, part 1's batch each time
+    assert direct == [(1, torch.device("cpu"))] * 2
+    assert_bit_identical(expected, actual)
+
+
 @pytest.mark.parametrize(
     "kind, devices",
     [("dense", 2), ("dense", 3), ("moe", 2), ("moe", 3)],

@@ -60,10 +60,12 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # ------------------------------------------------------------------ reference block
 @functools.lru_cache(maxsize=None)
-def configured_layer(scheme: str, top_k: int, ar_kwargs: tuple) -> Qwen3MoeDecoderLayer:
+def configured_layer(
+    scheme: str, top_k: int, ar_kwargs: tuple, num_experts: int = NUM_EXPERTS
+) -> Qwen3MoeDecoderLayer:
     """A decoder layer whose expert Linears carry auto-round's layer config for `scheme`."""
     config = moe_config()
-    config.num_experts, config.num_experts_per_tok = NUM_EXPERTS, top_k
+    config.num_experts, config.num_experts_per_tok = num_experts, top_k
     config.moe_intermediate_size, config.norm_topk_prob = 96, True
     torch.manual_seed(0)
     layer = Qwen3MoeDecoderLayer(config, 0)
@@ -89,14 +91,18 @@ def configured_layer(scheme: str, top_k: int, ar_kwargs: tuple) -> Qwen3MoeDecod
 
 
 def wrapped_block(
-    scheme: str = "W4A16", top_k: int = 2, dtype: torch.dtype = torch.float32, **ar_kwargs
+    scheme: str = "W4A16",
+    top_k: int = 2,
+    dtype: torch.dtype = torch.float32,
+    num_experts: int = NUM_EXPERTS,
+    **ar_kwargs,
 ) -> torch.nn.Module:
     """The MoE block with auto-round-wrapped experts and random tuning parameters.
 
     auto-round itself converts the layer to its amp dtype (bf16 on CPU and for bf16
     models); `dtype` float32 undoes that, to check the fp32 math too.
     """
-    layer = configured_layer(scheme, top_k, tuple(sorted(ar_kwargs.items())))
+    layer = configured_layer(scheme, top_k, tuple(sorted(ar_kwargs.items())), num_experts)
     block = copy.deepcopy(layer.mlp).to(dtype)
     defaults = SignRoundConfig()
     wrapper_block(  # SignRoundQuantizer.quantize_block's call
@@ -128,10 +134,12 @@ def inputs(batch: int = 2, seq: int = 24) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ running both ways
-def run(block, x, *, grouped=None, all_experts=True, amp=True, grad=True, pool=None):
+def run(block, x, *, grouped=None, all_experts=True, amp=True, grad=True, pool=None,
+        fan_outs=None):
     """One call (+ backward of a fixed random probe) from the block's starting parameters.
 
     :param grouped: None for the stock loop, else GroupedAutoRoundExperts keyword args
+    :param fan_outs: a list that receives the `FanOut` (with `pool`), to read its counts
     :returns: (output, {param: [grads]}, {param: [values after the call]}, context)
     """
     with torch.no_grad():
@@ -145,7 +153,9 @@ def run(block, x, *, grouped=None, all_experts=True, amp=True, grad=True, pool=N
         if grouped is not None:
             context = stack.enter_context(GroupedAutoRoundExperts(block, "block", **grouped))
         if pool is not None:
-            stack.enter_context(FanOut(block, pool, "block"))
+            fan_out = stack.enter_context(FanOut(block, pool, "block"))
+            if fan_outs is not None:
+                fan_outs.append(fan_out)
         if all_experts:  # oneshot's default moe_calibrate_all_experts=True
             stack.enter_context(moe_calibration_context())
         if amp:  # auto-round's block_forward: autocast bf16, on CPU too
@@ -397,7 +407,8 @@ def test_no_grad_passes_plain_wrapped_and_unwrapped():
 def test_fan_out_replicas_run_grouped():
     """Entered before FanOut, the grouped forward reaches each replica's own experts.
 
-    The reference is FanOut over the stock loop: same split, same gradient sums.
+    The reference is FanOut over the stock loop: same split, same gradient sums (each
+    replica its own qdq: qdq_once=False; qdq once: tests/test_qdq_once.py).
     """
     block = wrapped_block()
     x = inputs(batch=4)
@@ -405,7 +416,7 @@ def test_fan_out_replicas_run_grouped():
     pool = DeviceWorkerPool([torch.device("cpu"), torch.device("cpu")])
     try:
         stock = run(block, x, amp=False, pool=pool)
-        fanned = run(block, x, grouped={}, amp=False, pool=pool)
+        fanned = run(block, x, grouped={"qdq_once": False}, amp=False, pool=pool)
     finally:
         pool.close()
     assert fanned[3].grouped_calls == 2 and fanned[3].stock_calls == 0  # home + replica

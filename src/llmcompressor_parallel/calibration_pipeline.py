@@ -62,6 +62,12 @@ from llmcompressor_parallel.engine.calibration_hooks import firing_hooks
 from llmcompressor_parallel.engine.hooks import global_hooks
 from llmcompressor_parallel.engine.calibration_onload import onloaded_as_plain_modules
 from llmcompressor_parallel.engine.calibration_replicas import SubgraphReplicas
+from llmcompressor_parallel.engine.part_onload import (
+    direct_onload_reason,
+    fetch_to,
+    offload_outputs,
+    recorded_device,
+)
 from llmcompressor_parallel.engine.replicate import NotReplicable
 from llmcompressor_parallel.engine.scatter_gather import split_sizes
 from llmcompressor_parallel.engine.thread_context import ThreadContext
@@ -205,6 +211,7 @@ class _PassRunner:
     counts: dict[str, _PassCounts] = field(default_factory=dict)
     _names: dict[nn.Module, str] = field(default_factory=dict)
     _logged_no_pool: bool = False
+    _logged_onload: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._names = {module: name for name, module in self.model.named_modules()}
@@ -387,23 +394,26 @@ class _PassRunner:
         context = ThreadContext.capture()
         lock = threading.Lock()
         progress = tqdm(total=num_batches, desc=f"{desc} on {replicas.parts} devices")
+        direct = self._direct_onload(subgraph, replicas)
+        cache, names = self.activations, subgraph.input_names
 
         def job(part: int) -> Callable[[], None]:
             view = replicas.view(part)
+            own_device = replicas.devices[part] if direct and view is not self.model else None
 
             def run() -> None:
                 with context.applied():
                     for batch_idx in range(starts[part], starts[part + 1]):
-                        inputs = self.activations.fetch(batch_idx, subgraph.input_names)
+                        home = own_device and recorded_device(cache, batch_idx, names)
+                        if home is None:
+                            inputs = cache.fetch(batch_idx, names)
+                        else:  # straight onto this part's device, recorded as stock would
+                            inputs = fetch_to(cache, batch_idx, names, own_device)
                         outputs = subgraph.forward(view, **inputs)
-                        copies = (
-                            _offload_copies(outputs, self.activations.offload_device)
-                            if store
-                            else []
-                        )
+                        copies = _offload_copies(outputs, cache.offload_device) if store else []
                         with lock:
                             if store:
-                                _store(self.activations, batch_idx, outputs, copies, subgraph)
+                                _store(cache, batch_idx, outputs, copies, subgraph, home)
                             progress.update(1)
 
             return run
@@ -413,6 +423,15 @@ class _PassRunner:
         finally:
             progress.close()
         active_session().state.current_batch_idx = num_batches - 1
+
+    def _direct_onload(self, subgraph: Subgraph, replicas: SubgraphReplicas) -> bool:
+        """Whether each part loads its batches onto its own device (`engine.part_onload`)."""
+        inside = {m for layer in replicas.layers for m in layer.modules()}
+        reason = direct_onload_reason(subgraph, self.model, inside)
+        if reason is not None and reason not in self._logged_onload:
+            self._logged_onload.add(reason)
+            logger.debug("{}: batches pass through the home device: {}", PIPELINE_NAME, reason)
+        return reason is None
 
 
 def _offload_copies(
@@ -436,17 +455,22 @@ def _store(
     outputs: dict,
     copies: list[tuple[torch.Tensor, torch.Tensor]],
     subgraph: Subgraph,
+    home: torch.device | None = None,
 ) -> None:
     """Stock's `update` + `delete` (call under the cache lock), reusing the copies.
 
     The copies enter the cache's own table of offloaded tensors, the one stock uses
     for tensors shared between batches, so `update` finds them there instead of
-    copying again and records everything else exactly as it always does.
+    copying again and records everything else exactly as it always does. `home`:
+    outputs made on a part's own device are recorded as onloading to the home device.
     """
     with OverrideEqMode():
         for tensor, copy in copies:
             IntermediatesCache.offload_values[tensor] = copy
-    cache.update(batch_idx, outputs)
+    if home is None:
+        cache.update(batch_idx, outputs)
+    else:
+        offload_outputs(cache, batch_idx, outputs, home)
     cache.delete(batch_idx, subgraph.consumed_names)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Protocol
 
 import torch
 from loguru import logger
@@ -30,10 +31,58 @@ from llmcompressor_parallel.engine.scatter_gather import (
 from llmcompressor_parallel.engine.thread_context import ThreadContext
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 
-__all__ = ["FanOut"]
+__all__ = ["FanOut", "FanOutParticipant", "register_participant", "unregister_participant"]
 
 _MISSING = object()
 _COMPILE_LOCK = threading.Lock()
+
+
+class Prepared(Protocol):
+    """What a participant arranged for one call: `skip`, ids of home trainable tensors
+    that the replicas must not receive; `finish()`, called once the call's forward ended."""
+
+    skip: set[int]
+
+    def finish(self) -> None: ...
+
+
+class FanOutParticipant(Protocol):
+    """Work a context over (part of) a layer adds to each fanned-out call of it.
+
+    `prepare_fan_out(replicas, parts)` runs in the caller's thread after the replicas
+    are synced and before any copy or worker: it may raise `NotReplicable` (the call
+    then runs serially) or return None (nothing to do).
+    """
+
+    def prepare_fan_out(self, replicas: ReplicaSet, parts: int) -> Prepared | None: ...
+
+
+_PARTICIPANTS: "weakref.WeakKeyDictionary[nn.Module, list[FanOutParticipant]]" = (
+    weakref.WeakKeyDictionary()
+)
+_PARTICIPANTS_LOCK = threading.Lock()
+
+
+def register_participant(module: nn.Module, participant: FanOutParticipant) -> None:
+    """Ask every `FanOut` of a layer that contains `module` to prepare with `participant`."""
+    with _PARTICIPANTS_LOCK:
+        _PARTICIPANTS.setdefault(module, []).append(participant)
+
+
+def unregister_participant(module: nn.Module, participant: FanOutParticipant) -> None:
+    with _PARTICIPANTS_LOCK:
+        entries = _PARTICIPANTS.get(module, [])
+        if participant in entries:
+            entries.remove(participant)
+        if not entries:
+            _PARTICIPANTS.pop(module, None)
+
+
+def _participants(layer: nn.Module) -> list[FanOutParticipant]:
+    with _PARTICIPANTS_LOCK:
+        if not _PARTICIPANTS:
+            return []
+        return [p for module in layer.modules() for p in _PARTICIPANTS.get(module, ())]
 
 
 class FanOut:
@@ -127,10 +176,42 @@ class FanOut:
             return self._serial(original, args, kwargs, str(reason))
 
         parts = min(len(self.pool.devices), batch)
+        prepared: list[Prepared] = []
+        try:
+            for participant in _participants(self.layer):
+                done = participant.prepare_fan_out(replicas, parts)
+                if done is not None:
+                    prepared.append(done)
+        except NotReplicable as reason:
+            for done in prepared:
+                done.finish()
+            return self._serial(original, args, kwargs, str(reason))
+        except BaseException:
+            for done in prepared:
+                done.finish()
+            raise
+        try:
+            return self._fanned(original, args, kwargs, batch, parts, primary, prepared)
+        finally:
+            for done in prepared:
+                done.finish()
+
+    def _fanned(
+        self,
+        original: Callable,
+        args: tuple,
+        kwargs: dict,
+        batch: int,
+        parts: int,
+        primary: torch.Tensor,
+        prepared: list[Prepared],
+    ) -> Any:
+        replicas = self._replicas
         sizes = split_sizes(batch, parts)
         shares = split_call(args, kwargs, batch, sizes)
         home_device = primary.device
-        replicas.install_trainable_copies(parts)  # before any worker starts
+        skip = set().union(*(done.skip for done in prepared))
+        replicas.install_trainable_copies(parts, skip)  # before any worker starts
         context = ThreadContext.capture()
 
         def job(part: int) -> Callable[[], Any]:

@@ -44,13 +44,17 @@ from llmcompressor_parallel.engine.expert_tokens import (
     all_tokens_bytes,
     choose_all_tokens,
 )
+from llmcompressor_parallel.engine.fan_out import register_participant, unregister_participant
 from llmcompressor_parallel.engine.grouped_autoround_experts import (
     QuantizedGroupedExperts,
+    ShippedGroupedExperts,
     StockOrderGroupedExperts,
     experts_list,
     projections,
+    stacks_from_rows,
     wrapped_unsupported_reason,
 )
+from llmcompressor_parallel.engine.grouped_autoround_qdq import TUNING_PARAMS
 from llmcompressor_parallel.engine.grouped_autoround_forward import _compute_dtype
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
@@ -62,6 +66,7 @@ from llmcompressor_parallel.engine.offload_forward import (
     same_device,
     send_like_offload,
 )
+from llmcompressor_parallel.engine.replicate import NotReplicable, ReplicaSet
 
 __all__ = [
     "GroupedAutoRoundExperts",
@@ -147,7 +152,7 @@ class _Plan:
 
     def frozen_tensors(self) -> list[torch.Tensor]:
         runner = self.runner
-        if isinstance(runner, QuantizedGroupedExperts):
+        if isinstance(runner, (QuantizedGroupedExperts, ShippedGroupedExperts)):
             return runner.frozen_tensors()
         params = (m._parameters.values() for m in projections(runner.experts))
         return [p for group in params for p in group if p is not None]
@@ -159,19 +164,32 @@ class _Plan:
             self.fingerprint = _fingerprint(self.frozen_tensors())
 
 
-def _plan_key(modules: list[nn.Module]) -> tuple:
-    """Which projection modules, on which device, a plan is valid for."""
+def _plan_key(modules: list[nn.Module], shipped: bool = False) -> tuple:
+    """Which projection modules, on which device, in which mode a plan is valid for."""
     weight = getattr(modules[0], "weight", None)
     device = weight.device if isinstance(weight, torch.Tensor) else None
-    return (*map(id, modules), device)
+    return (*map(id, modules), device, shipped)
 
 
 def _build_plan(
-    experts: LinearExperts2D, key: tuple, backend: Backend, all_tokens: TokenMode
+    experts: LinearExperts2D,
+    key: tuple,
+    backend: Backend,
+    all_tokens: TokenMode,
+    shipped: bool = False,
 ) -> _Plan:
     projs = projections(experts)
     mlps = experts_list(experts)
-    if all(type(p) is WrapperLinear for p in projs):
+    if shipped:  # a replica's experts in a qdq-once fan-out: stacks come from the home
+        if not all(type(p) is WrapperLinear for p in projs):
+            return _Plan(experts, key, None, "projections are not all auto-round WrapperLinears")
+        reason = wrapped_unsupported_reason(experts, shipped=True)
+        if reason is not None:
+            return _Plan(experts, key, None, reason)
+        runner = ShippedGroupedExperts(experts, backend=backend, all_tokens=all_tokens is not False)
+        called = mlps + projs
+        hooked = called + [p.orig_layer for p in projs]
+    elif all(type(p) is WrapperLinear for p in projs):
         reason = wrapped_unsupported_reason(experts)
         if reason is not None:
             return _Plan(experts, key, None, reason)
@@ -201,10 +219,16 @@ def _call_reason(plan: _Plan, hidden_states: torch.Tensor) -> str | None:
     """Why this call must take the stock loop although the module can run grouped."""
     if hidden_states.dim() != 2:
         return f"hidden_states has {hidden_states.dim()} dims, not [tokens, hidden]"
+    return _module_reason(plan, hidden_states.device.type)
+
+
+def _module_reason(plan: _Plan, device_type: str) -> str | None:
+    """`_call_reason` without the input: what can be told before the call (the
+    qdq-once fan-out asks it for every replica before shipping)."""
     runner = plan.runner
     if runner._trainable and torch.is_grad_enabled():
         return "plain experts with trainable weights inside a backward pass"
-    if runner.gate_up_bias is not None and torch.is_autocast_enabled(hidden_states.device.type):
+    if runner.gate_up_bias is not None and torch.is_autocast_enabled(device_type):
         # stock's biased linear stays in the autocast dtype; the grouped bias add would promote
         return "biased projections under autocast"
     if any(has_hooks(m) for m in plan.hooked):
@@ -252,18 +276,22 @@ class _Site:
         # the sequential pipeline's passes: compressed-tensors' offloading wrapper, whose
         # input move the grouped call makes itself
         self.offload_wrapped = is_offload_wrapper(home, self.saved_forward)
+        # during a qdq-once fan-out: each running experts module (home, replicas) ->
+        # this call's qdq rows (gate_up, down) on its device; None otherwise
+        self.shipped: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def stock_forward(self, experts: nn.Module) -> Callable[..., torch.Tensor]:
         if experts is self.home and self.saved_forward is not _MISSING:
             return self.saved_forward
         return types.MethodType(type(experts).forward, experts)
 
-    def plan_for(self, experts: LinearExperts2D) -> _Plan:
-        key = _plan_key(projections(experts))
+    def plan_for(self, experts: LinearExperts2D, shipped: bool = False) -> _Plan:
+        """`experts`' plan; `shipped`: a replica's that runs qdq rows shipped from the home."""
+        key = _plan_key(projections(experts), shipped)
         plan = experts.__dict__.get(_PLAN_ATTR)
         if plan is None or plan.module is not experts or plan.key != key:
             experts.__dict__.pop(_PLAN_ATTR, None)  # free the old stacks before building new ones
-            plan = _build_plan(experts, key, self.owner.backend, self.owner.all_tokens)
+            plan = _build_plan(experts, key, self.owner.backend, self.owner.all_tokens, shipped)
             experts.__dict__[_PLAN_ATTR] = plan
         elif plan.runner is not None:
             plan.refresh_if_changed()
@@ -300,8 +328,23 @@ class _Site:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        plan = self.plan_for(experts)
+        shipped = self.shipped
+        rows = None if shipped is None else shipped.get(experts)
+        if shipped is not None and rows is None:
+            raise RuntimeError(
+                f"{self.name}: an experts module the qdq-once fan-out did not prepare was "
+                "called during it; its tuning parameters were not copied"
+            )
+        plan = self.plan_for(experts, shipped=rows is not None and experts is not self.home)
         reason = plan.reason if plan.runner is None else _call_reason(plan, hidden_states)
+        if reason is not None and rows is not None and experts is not self.home:
+            # never the stock loop here: a replica holds no tuning parameters (the home
+            # does, and takes the stock loop as usual)
+            raise RuntimeError(
+                f"{self.name}: in a qdq-once fan-out the experts on {hidden_states.device} "
+                f"cannot run grouped ({reason}) and have no tuning parameters for the "
+                "stock loop"
+            )
         if reason is not None:
             self.owner._count(stock=True, name=self.name, reason=reason)
             return self.stock_forward(experts)(hidden_states, top_k_index, top_k_weights)
@@ -315,8 +358,10 @@ class _Site:
             self.choose_tokens(plan, hidden_states)
         runner.backend = _call_backend(plan, hidden_states)
         device = runner.device
+        stacks = None if rows is None else stacks_from_rows(*rows, runner)
         output = runner.forward(
-            hidden_states.to(device), top_k_index.to(device), top_k_weights.to(device)
+            hidden_states.to(device), top_k_index.to(device), top_k_weights.to(device),
+            stacks=stacks,
         )
         return output.to(hidden_states.device)
 
@@ -339,6 +384,13 @@ class GroupedAutoRoundExperts:
         floating-point order; "auto" True where the estimated transients fit the
         device's free memory at each experts module's first such call (expert_tokens.py),
         else False with a log line
+    :param qdq_once: when a `FanOut` of a layer holding these experts splits a call
+        over replicas, the home computes the experts' qdq once (both stacks, with the
+        home's tuning parameters), each replica receives the two stacks through one
+        differentiable copy each and runs its grouped forward over them; the experts'
+        tuning parameters are then not copied to the replicas. Where a replica's
+        experts could not run grouped, the call runs serially (`prepare_fan_out`).
+        False: every replica gets the tuning parameters and computes its own qdq.
     """
 
     def __init__(
@@ -347,6 +399,7 @@ class GroupedAutoRoundExperts:
         name: str = "",
         backend: Backend = "auto",
         all_tokens: TokenMode = True,
+        qdq_once: bool = True,
     ) -> None:
         if not (isinstance(all_tokens, bool) or all_tokens == "auto"):
             raise ValueError(f"all_tokens={all_tokens!r}; allowed: True, False, 'auto'")
@@ -354,6 +407,8 @@ class GroupedAutoRoundExperts:
         self.name = name or type(layer).__name__
         self.backend = backend
         self.all_tokens = all_tokens
+        self.qdq_once = qdq_once
+        self.shipped_calls = 0  # experts modules whose qdq a fan-out computed once and shipped
         self.grouped_calls = 0
         self.stock_calls = 0
         self.module_names: list[str] = []  # the experts modules routed (kept after exit)
@@ -374,12 +429,86 @@ class GroupedAutoRoundExperts:
             module.forward = types.MethodType(_bound_forward(site), module)
             self._sites.append(site)
             self.module_names.append(name)
+        if self.qdq_once and self._sites:
+            register_participant(self.layer, self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        unregister_participant(self.layer, self)
         for site in self._sites:
+            site.shipped = None
             site.release()
         self._sites = []
+
+    def prepare_fan_out(self, replicas: ReplicaSet, parts: int) -> "_Shipment | None":
+        """Before a fanned-out call (caller's thread, before any worker starts): qdq once.
+
+        For every experts module that the home runs grouped with qdq and that runs on
+        a replica in this call: checks that each replica's copy can run grouped over
+        shipped stacks (else raises `NotReplicable`: the caller runs the call serially,
+        since those replicas get no tuning parameters), computes the qdq rows on the
+        home (auto-round's in-place scale clamps included) and hands each replica a
+        differentiable copy of both. Returns which home tensors the fan-out must not
+        copy to the replicas, or None when nothing is shipped.
+        """
+        work = []
+        for site in self._sites:
+            modules = replicas.counterparts(site.home, parts)
+            if modules is None or all(m is site.home for m in modules):
+                continue  # not inside the fanned-out layer, or only the home runs
+            if not any(m is site.home for m in modules):
+                continue  # the home runs no part (it sits elsewhere): each replica its own qdq
+            home_plan = site.plan_for(site.home)
+            runner = home_plan.runner
+            if not isinstance(runner, QuantizedGroupedExperts):
+                continue  # stock loop or plain Linears: replicas get the parameters, as before
+            if _module_reason(home_plan, runner.device.type) is not None:
+                continue
+            plans = {}
+            for module in modules:
+                if module is site.home:
+                    continue
+                plan = site.plan_for(module, shipped=True)
+                reason = plan.reason
+                if plan.runner is not None:
+                    reason = _module_reason(plan, plan.runner.device.type)
+                if reason is not None:
+                    raise NotReplicable(
+                        f"{site.name}: a replica's experts would run the stock per-expert "
+                        f"loop ({reason}); with qdq once they hold no tuning parameters"
+                    )
+                plans[module] = plan
+            work.append((site, runner, modules, plans))
+        if not work:
+            return None
+        shipment = _Shipment(self)
+        try:
+            for site, runner, modules, plans in work:
+                gate_up, down = runner.qdq_rows()
+                shipped = {}
+                for module in modules:
+                    if module is site.home:
+                        shipped[module] = (gate_up, down)
+                    else:  # one differentiable copy per stack; backward sums in fp32 on home
+                        # cast before the copy: half the bytes both ways, same values (the
+                        # replica would cast to this dtype first thing), and the gradient
+                        # still turns fp32 on the home before the partials are added
+                        replica = plans[module].runner
+                        shipped[module] = tuple(
+                            rows.to(replica.dtype).to(replica.device) for rows in (gate_up, down)
+                        )
+                site.shipped = shipped
+                shipment.sites.append(site)
+                wrappers = runner.gate_up_qdq.wrappers + runner.down_qdq.wrappers
+                shipment.skip.update(
+                    id(w._parameters[name]) for w in wrappers for name in TUNING_PARAMS
+                )
+        except BaseException:
+            shipment.finish()
+            raise
+        with self._lock:
+            self.shipped_calls += len(shipment.sites)
+        return shipment
 
     def _count(self, stock: bool, name: str = "", reason: str = "") -> None:
         with self._lock:
@@ -395,6 +524,21 @@ class GroupedAutoRoundExperts:
             self._logged.add((name, message))
         if first:
             logger.info("{}: {}", name, message)
+
+
+@dataclass
+class _Shipment:
+    """One fanned-out call's shipped qdq: `skip` (ids of the home tensors the fan-out
+    must not copy to the replicas); `finish()` after the call's forward."""
+
+    owner: GroupedAutoRoundExperts
+    sites: list[_Site] = field(default_factory=list)
+    skip: set[int] = field(default_factory=set)
+
+    def finish(self) -> None:
+        for site in self.sites:
+            site.shipped = None
+        self.sites = []
 
 
 def _bound_forward(site: _Site) -> Callable[..., Any]:

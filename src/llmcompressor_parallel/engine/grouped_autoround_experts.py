@@ -26,6 +26,7 @@ from llmcompressor_parallel.engine.grouped_ops import Backend
 
 __all__ = [
     "QuantizedGroupedExperts",
+    "ShippedGroupedExperts",
     "StockOrderGroupedExperts",
     "experts_list",
     "projections",
@@ -57,8 +58,12 @@ def _qdq_groups(experts: LinearExperts2D) -> tuple[list[nn.Module], list[nn.Modu
     return gate_up, [mlp._modules["down_proj"] for mlp in mlps]
 
 
-def wrapped_unsupported_reason(experts: nn.Module) -> str | None:
-    """Why `experts`, with auto-round-wrapped projections, cannot run grouped (None: it can)."""
+def wrapped_unsupported_reason(experts: nn.Module, shipped: bool = False) -> str | None:
+    """Why `experts`, with auto-round-wrapped projections, cannot run grouped (None: it can).
+
+    :param shipped: a replica's experts that run qdq stacks shipped from the home
+        (`ShippedGroupedExperts`): their tuning parameters are not checked
+    """
     if not isinstance(experts, LinearExperts2D):
         return f"{type(experts).__name__} is not a LinearExperts2D"
     if type(experts).forward is not LinearExperts2D.forward:
@@ -68,7 +73,7 @@ def wrapped_unsupported_reason(experts: nn.Module) -> str | None:
             return f"expert {index} is a {type(expert).__name__} with its own forward"
     gate_up, down = _qdq_groups(experts)
     for wrappers in (gate_up, down):
-        reason = group_unsupported_reason(wrappers)
+        reason = group_unsupported_reason(wrappers, shipped)
         if reason is not None:
             return reason
     biases = {w.orig_layer.bias is None for w in gate_up + down}
@@ -113,8 +118,13 @@ class StockOrderGroupedExperts(GroupedExperts):
         *,
         all_experts: bool | None = None,
         hessians: None = None,
+        stacks: ExpertStacks | None = None,
     ) -> torch.Tensor:
-        """Stock `LinearExperts2D.forward`'s result (and gradients), grouped."""
+        """Stock `LinearExperts2D.forward`'s result (and gradients), grouped.
+
+        :param stacks: this call's weights, where the caller formed them
+            (`stacks_from_rows` over qdq rows shipped from the home); default `stacks()`
+        """
         if hessians is not None:
             raise ValueError(f"{type(self).__name__} does not fill Hessians")
         if hidden_states.dim() != 2:
@@ -125,7 +135,8 @@ class StockOrderGroupedExperts(GroupedExperts):
         if all_experts is None:
             all_experts = get_calibrate_all_experts_flag()
         return experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.stacks(), self.activation,
+            hidden_states, top_k_index, top_k_weights,
+            self.stacks() if stacks is None else stacks, self.activation,
             self.backend, all_experts, self.all_tokens,
         )
 
@@ -184,7 +195,77 @@ class QuantizedGroupedExperts(StockOrderGroupedExperts):
 
     def stacks(self) -> ExpertStacks:
         """This call's weights: every expert's qdq with its current tuning parameters."""
-        experts, hidden, intermediate = self.num_experts, self.hidden_size, self.intermediate_size
-        gate_up_t = self.gate_up_qdq().view(experts, -1, hidden).transpose(1, 2)
-        down_t = self.down_qdq().view(experts, hidden, intermediate).transpose(1, 2)
-        return _split_stacks(gate_up_t, down_t, self)
+        return stacks_from_rows(self.gate_up_qdq(), self.down_qdq(), self)
+
+    def qdq_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This call's qdq in the Linears' row layout (gate_up, down), before the cast to
+        the weights' dtype: fp32 where that is exact (`StackedQdq.raw`). What the
+        qdq-once fan-out computes once on the home and ships to the replicas; each
+        forms its stacks with `stacks_from_rows`, the same values as `stacks()`."""
+        return self.gate_up_qdq.raw(fp32=True), self.down_qdq.raw(fp32=True)
+
+
+def stacks_from_rows(
+    gate_up_rows: torch.Tensor, down_rows: torch.Tensor, grouped: GroupedExperts
+) -> ExpertStacks:
+    """Expert stacks from qdq rows ([E*(2)I, H], [E*H, I]) on `grouped`'s device.
+
+    The cast to the weights' dtype happens here (a no-op where the rows have it), so
+    a differentiable copy of fp32 rows returns its gradient in fp32.
+    """
+    experts, hidden, intermediate = grouped.num_experts, grouped.hidden_size, grouped.intermediate_size
+    gate_up_t = gate_up_rows.to(grouped.dtype).view(experts, -1, hidden).transpose(1, 2)
+    down_t = down_rows.to(grouped.dtype).view(experts, hidden, intermediate).transpose(1, 2)
+    return _split_stacks(gate_up_t, down_t, grouped)
+
+
+class ShippedGroupedExperts(StockOrderGroupedExperts):
+    """A replica's wrapped experts whose qdq the home computes and ships (qdq-once).
+
+    Holds only what the grouped forward needs besides the weights (sizes, activation,
+    biases): no weight stacks, no qdq, and no use of the tuning parameters, which the
+    fan-out does not copy to this replica. Every call takes its stacks from the
+    caller (`forward(..., stacks=stacks_from_rows(...))`); `stacks()` raises.
+    """
+
+    KIND = "wrapped experts (qdq shipped from the home)"
+
+    @staticmethod
+    def unsupported_reason(experts: nn.Module) -> str | None:
+        return wrapped_unsupported_reason(experts, shipped=True)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        gate_up, down = _qdq_groups(self.experts)
+        self._hidden = gate_up[0].orig_layer.weight.shape[1]
+        self._intermediate = down[0].orig_layer.weight.shape[1]
+        self.gate_up_bias = self.down_bias = None
+        if down[0].orig_layer.bias is not None:
+            per_expert = len(gate_up) // self.num_experts
+            # [E, (2)I]: gate rows then up rows per expert, as GroupedExperts' stack
+            first = [
+                torch.cat([w.orig_layer.bias for w in gate_up[e * per_expert:(e + 1) * per_expert]])
+                for e in range(self.num_experts)
+            ]
+            self.gate_up_bias = torch.stack([b.to(self.device) for b in first])
+            self.down_bias = torch.stack([w.orig_layer.bias.to(self.device) for w in down])
+        self._trainable = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden
+
+    @property
+    def intermediate_size(self) -> int:
+        return self._intermediate
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        """The replica's copies of the wrapped weights and biases (re-copied: refresh)."""
+        gate_up, down = _qdq_groups(self.experts)
+        return [p for w in gate_up + down for p in w._modules["orig_layer"]._parameters.values()
+                if p is not None]
+
+    def stacks(self) -> ExpertStacks:
+        raise RuntimeError(
+            "these experts' qdq is shipped from the home device: pass stacks= to forward"
+        )

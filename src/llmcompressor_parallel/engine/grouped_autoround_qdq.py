@@ -35,12 +35,16 @@ ROW_SEPARABLE_DATA_TYPES = frozenset({"int_sym", "int_asym"})
 TUNING_PARAMS = ("value", "min_scale", "max_scale")
 
 
-def wrapper_unsupported_reason(wrapper: nn.Module) -> str | None:
+def wrapper_unsupported_reason(wrapper: nn.Module, shipped: bool = False) -> str | None:
     """Why `wrapper`'s qdq cannot be batched with the exact stock math (None: it can).
 
     Anything that adds inputs to auto-round's quant call, or work to the wrapper's
     forward, beyond the plain int weight qdq is refused here, so that the caller
     keeps the stock per-expert forward for it.
+
+    :param shipped: the wrapper is a replica's whose qdq the home computes and ships
+        (grouped_autoround's qdq-once fan-out): its tuning parameters are not copied
+        to the replica, so their presence is not checked here (the home's are)
     """
     if type(wrapper) is not WrapperLinear:
         return f"{type(wrapper).__name__} is not auto-round's WrapperLinear"
@@ -71,7 +75,7 @@ def wrapper_unsupported_reason(wrapper: nn.Module) -> str | None:
         return "the wrapped weight is on the meta device"
     if layer.weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad):
         return "the wrapped weight or bias is trainable (the stacks are detached)"
-    for name in TUNING_PARAMS:
+    for name in () if shipped else TUNING_PARAMS:
         # a tuned one is registered (on a replica: its differentiable copy of the home
         # Parameter); an untuned one is a plain 0-dim attribute
         if wrapper._parameters.get(name) is None:
@@ -106,13 +110,14 @@ def _settings(wrapper: WrapperLinear) -> tuple:
     )
 
 
-def group_unsupported_reason(wrappers: Sequence[nn.Module]) -> str | None:
-    """Why `wrappers` cannot share one batched qdq (None: they can)."""
+def group_unsupported_reason(wrappers: Sequence[nn.Module], shipped: bool = False) -> str | None:
+    """Why `wrappers` cannot share one batched qdq (None: they can); `shipped`: as
+    `wrapper_unsupported_reason`."""
     if not wrappers:
         return "no wrappers to group"
     first_settings = None
     for wrapper in wrappers:
-        reason = wrapper_unsupported_reason(wrapper)
+        reason = wrapper_unsupported_reason(wrapper, shipped)
         if reason is not None:
             return reason
         settings = _settings(wrapper)
@@ -121,6 +126,17 @@ def group_unsupported_reason(wrappers: Sequence[nn.Module]) -> str | None:
         elif settings != first_settings:
             return "the wrappers differ in quantization settings, input size, dtype or device"
     return None
+
+
+def _fp32_exact(weight_dtype: torch.dtype, scale_dtype: torch.dtype) -> bool:
+    """Whether the int quantizers compute `weight / scale` in fp32 or wider anyway.
+
+    Then handing them the weight in fp32 changes no value: every other op meets the
+    fp32 `value` / scale factors, and only the final cast (to the input's dtype) moves.
+    """
+    if not (weight_dtype.is_floating_point and isinstance(scale_dtype, torch.dtype)):
+        return False
+    return torch.promote_types(weight_dtype, scale_dtype).itemsize >= 4
 
 
 @dataclass
@@ -184,6 +200,22 @@ class StackedQdq:
 
     def __call__(self) -> torch.Tensor:
         """Fake-quantized stacked weight [rows, in], as each wrapper's `_qdq_weight` gives it."""
+        return self.raw().to(self.weight.dtype)
+
+    def raw(self, fp32: bool = False) -> torch.Tensor:
+        """The qdq before the cast to the weight's dtype.
+
+        auto-round's int quantizers compute in fp32 (the weight meets fp32 scales and
+        `value`) and cast their result to the weight's dtype themselves. `fp32=True`
+        hands them the weight in fp32 (exact), so that the result stays fp32 and the
+        cast to the weight's dtype is left to the caller: the same values after that
+        cast, and a gradient that reaches this point in fp32. The qdq-once fan-out
+        uses it so that the replicas' gradients are summed in fp32 before the single
+        qdq backward, as separate qdq backwards would sum them. Where the quantizer
+        would divide the weight by its scale in a narrower dtype (scale dtype = weight
+        dtype, e.g. both fp16), the weight is left as is: the result then has the
+        weight's dtype, as stock.
+        """
         self.clamp_scales()
         first = self.wrappers[0]
         layer = first.orig_layer
@@ -193,8 +225,11 @@ class StackedQdq:
                 "super_bits": layer.super_bits,
                 "super_group_size": layer.super_group_size,
             }
+        weight = self.weight
+        if fp32 and _fp32_exact(weight.dtype, layer.scale_dtype):
+            weight = weight.float()
         weight_q, _, _ = first.weight_quant_func(
-            self.weight,
+            weight,
             bits=layer.bits,
             group_size=layer.group_size,
             v=self.gather("value"),
@@ -210,4 +245,4 @@ class StackedQdq:
             init_scale=None,
             **quant_kwargs,
         )
-        return weight_q.to(self.weight.dtype)
+        return weight_q

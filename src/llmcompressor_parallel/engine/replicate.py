@@ -268,17 +268,53 @@ class ReplicaSet:
         else:
             module.__dict__[slot.name] = tensor
 
+    @staticmethod
+    def _remove(replica: _Replica, slot: _Slot) -> None:
+        module = replica.modules[slot.module_index]
+        if slot.kind == "param":
+            module._parameters.pop(slot.name, None)
+        elif slot.kind == "buffer":
+            module._buffers.pop(slot.name, None)
+        else:
+            module.__dict__.pop(slot.name, None)
+
     # ---------------------------------------------------------------- per call
-    def install_trainable_copies(self, parts: int) -> None:
+    def counterparts(self, module: nn.Module, parts: int) -> list[nn.Module] | None:
+        """The module that runs `module`'s work in each of the first `parts` parts:
+        `module` itself where the home runs the part, else the replica's copy.
+        None when `module` is not inside the replicated layer."""
+        try:
+            index = next(i for i, m in enumerate(self._home_modules) if m is module)
+        except StopIteration:
+            return None
+        return [
+            module if replica is None else replica.modules[index]
+            for replica in self._replicas[:parts]
+        ]
+
+    def install_trainable_copies(self, parts: int, skip: set[int] | frozenset = frozenset()) -> None:
         """Give the first `parts` replicas fresh differentiable copies of the trainables.
 
         Runs in the caller's thread, before any worker starts.
+
+        :param skip: ids of home trainable tensors not to copy (their users on the
+            replicas get what they need otherwise: grouped_autoround's qdq once); the
+            replicas' previous copies of them are removed, so that nothing can use a
+            stale one
         """
         trainable = [slot for slot in self._slots if slot.trainable]
         if not trainable:
             return
-        params = [self._home_tensor(slot) for slot in trainable]
         targets = [r for r in self._replicas[:parts] if r is not None]
+        if skip:
+            skipped = [slot for slot in trainable if id(self._home_tensor(slot)) in skip]
+            trainable = [slot for slot in trainable if id(self._home_tensor(slot)) not in skip]
+            for replica in targets:
+                for slot in skipped:
+                    self._remove(replica, slot)
+            if not trainable:
+                return
+        params = [self._home_tensor(slot) for slot in trainable]
         for replica, copies in zip(targets, _copy_differentiable(params, [r.device for r in targets])):
             for slot, copy in zip(trainable, copies):
                 self._install(replica, slot, copy)
