@@ -49,7 +49,14 @@ def tiny_moe(layers: int) -> Qwen3MoeConfig:
                           num_experts=8, num_experts_per_tok=2, dtype="bfloat16")
 
 
-SHAPES = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "llama3-8b": llama3_8b, "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b}
+def tiny_moe_128(layers: int) -> Qwen3MoeConfig:
+    """Qwen3-30B-A3B's expert count and top-k at tiny widths: per-call host work on a CPU."""
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_experts=128, num_experts_per_tok=8, dtype="bfloat16")
+
+
+SHAPES = {"tiny-dense": tiny_dense, "tiny-moe": tiny_moe, "tiny-moe-128": tiny_moe_128, "llama3-8b": llama3_8b, "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b}
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:

@@ -24,7 +24,7 @@ AUTOROUND_ARGS = dict(
 
 
 def run_oneshot(model_dir: Path, recipe, output_dir: Path, samples: int = 16, seq_len: int = 32,
-                dataset=None) -> dict[str, torch.Tensor]:
+                dataset=None, **oneshot_args) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     oneshot(
         model=str(model_dir),
@@ -33,6 +33,7 @@ def run_oneshot(model_dir: Path, recipe, output_dir: Path, samples: int = 16, se
         num_calibration_samples=samples,
         max_seq_length=seq_len,
         output_dir=str(output_dir),
+        **oneshot_args,
     )
     return load_saved_tensors(output_dir)
 

@@ -445,8 +445,26 @@ def _offload_copies(
     """
     if device is None:
         return []
+    device = torch.device(device)
     leaves = [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
-    return [(leaf, leaf.to(device)) for leaf in leaves if leaf.device != torch.device(device)]
+    return [(leaf, _offload_copy(leaf, device)) for leaf in leaves if leaf.device != device]
+
+
+def _offload_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor.to(device)`; from a GPU to host memory, into page-locked memory.
+
+    Page-locked host memory is read and written by the GPUs' copy engines at the
+    link's speed, where pageable memory goes through the driver's staging buffers at
+    a fraction of it (2x H200, GPTQ on a Llama-3-8B-shape layer: ~1 GB/s pageable
+    device-to-host per part, which made the copies a third of a propagation pass).
+    The next pass then loads these tensors straight from page-locked memory too. The
+    copy is synchronous: the tensor is complete when the batch is stored.
+    """
+    if device.type != "cpu" or tensor.device.type != "cuda":
+        return tensor.to(device)
+    copy = torch.empty_like(tensor, device=device, pin_memory=True)
+    copy.copy_(tensor)
+    return copy
 
 
 def _store(
