@@ -455,8 +455,8 @@ def _offload_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     Page-locked host memory is read and written by the GPUs' copy engines at the
     link's speed, where pageable memory goes through the driver's staging buffers at
-    a fraction of it (2x H200, GPTQ on a Llama-3-8B-shape layer: ~1 GB/s pageable
-    device-to-host per part, which made the copies a third of a propagation pass).
+    a fraction of it (2x H200, GPTQ on a Llama-3-8B-shape layer: ~2.5 GB/s pageable
+    device-to-host per part, about half of a propagation pass).
     The next pass then loads these tensors straight from page-locked memory too. The
     copy is synchronous: the tensor is complete when the batch is stored.
     """
