@@ -3,11 +3,12 @@
 The demo model (trained, so tuning has real signal) is quantized by both in the same
 test and the saved checkpoints are compared. With parallelism off the modifier is
 stock, bit for bit. With replicas, every no-grad pass and every forward is exact
-(tests/test_engine.py); what differs is the weight gradient, whose per-replica
-partial sums are rounded to bf16 under auto-round's autocast before they are added
-(stock rounds the whole-batch sum once). SignSGD turns those last-bit differences
-into different rounding decisions over the iterations, so the tests print the share
-of identical integers and assert what holds: the layers' losses agree with stock.
+(tests/test_engine.py); what differs is the weight gradient, whose per-token terms
+are summed per replica and then added (stock sums the whole batch in one kernel).
+SignSGD turns those last-bit differences into different rounding decisions within a
+few iterations, in fp32 as under bf16 autocast (bench/demo_int_agreement.py), so the
+tests print the share of identical integers and assert what holds: the layers'
+losses agree with stock.
 """
 
 import pytest
