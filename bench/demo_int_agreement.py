@@ -17,55 +17,38 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
-import llmcompressor.modifiers.autoround.base as stock_autoround  # noqa: E402
 from auto_round.algorithms.quantization.sign_round.sign_sgd import SignSGD  # noqa: E402
 from llmcompressor.modifiers.autoround import AutoRoundModifier  # noqa: E402
 
 from llmcompressor_parallel import DataParallelAutoRoundModifier  # noqa: E402
 from llmcompressor_parallel.demo import calibration_dataset, demo_model_path  # noqa: E402
+from demo_noise_band import autoround_kwargs  # noqa: E402
+from phases import patched  # noqa: E402
 from oneshot_runs import AUTOROUND_ARGS, compare_checkpoints, run_oneshot  # noqa: E402
 
 SAMPLES, SEQ_LEN = 16, 64
 
 
-@contextlib.contextmanager
-def amp(enabled: bool) -> Iterator[None]:
-    """auto-round's `amp` for every AutoRound that llm-compressor's modifier builds."""
-    real = stock_autoround.AutoRound
-
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        kwargs["amp"] = enabled
-        return real(*args, **kwargs)
-
-    stock_autoround.AutoRound = factory
-    try:
-        yield
-    finally:
-        stock_autoround.AutoRound = real
-
-
-@contextlib.contextmanager
-def gradient_steps(steps: list[list[torch.Tensor]], keep: int = 3) -> Iterator[None]:
+def gradient_steps(steps: list[list[torch.Tensor]], keep: int = 3) -> contextlib.AbstractContextManager:
     """Record the first `keep` gradients SignSGD sees at every step."""
-    real = SignSGD.step
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        steps.append([g.detach().clone() for g in grads[:keep]])
-        return real(self, *args, **kwargs)
+    def make(real: Callable) -> Callable:
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            steps.append([g.detach().clone() for g in grads[:keep]])
+            return real(self, *args, **kwargs)
 
-    SignSGD.step = step
-    try:
-        yield
-    finally:
-        SignSGD.step = real
+        return step
+
+    return patched(SignSGD, "step", make)
 
 
 def main() -> None:
@@ -87,7 +70,7 @@ def main() -> None:
             return run_oneshot(model_dir, recipe, work / name, SAMPLES, SEQ_LEN, dataset=data)
 
     for amp_on in (True, False):
-        with amp(amp_on):
+        with autoround_kwargs(amp=amp_on):
             for iters in args.iters:
                 traced = iters == args.trace_iters
                 stock_steps: list = []

@@ -51,22 +51,24 @@ QUANT = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate
 
 
 @contextlib.contextmanager
-def autoround_seed(seed: int | None) -> Iterator[None]:
-    """Give every `AutoRound` the stock modifier builds `seed` (None: auto-round's default)."""
-    if seed is None:
-        yield
-        return
+def autoround_kwargs(**overrides: Any) -> Iterator[None]:
+    """Give every `AutoRound` the stock modifier builds these keyword arguments
+    (auto-round's own, such as `seed` or `amp`, which the modifier does not expose)."""
     real_factory = stock_autoround.AutoRound
 
-    def seeded(*args: Any, **kwargs: Any) -> Any:
-        kwargs["seed"] = seed
-        return real_factory(*args, **kwargs)
+    def overridden(*args: Any, **kwargs: Any) -> Any:
+        return real_factory(*args, **{**kwargs, **overrides})
 
-    stock_autoround.AutoRound = seeded
+    stock_autoround.AutoRound = overridden
     try:
         yield
     finally:
         stock_autoround.AutoRound = real_factory
+
+
+def autoround_seed(seed: int | None) -> contextlib.AbstractContextManager:
+    """Give every `AutoRound` the stock modifier builds `seed` (None: auto-round's default)."""
+    return contextlib.nullcontext() if seed is None else autoround_kwargs(seed=seed)
 
 
 def permuted(data, seed: int | None):

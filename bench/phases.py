@@ -18,7 +18,8 @@ import torch
 from oneshot_runs import block_losses
 
 
-def _sync() -> None:
+def sync_gpus() -> None:
+    """Wait for every GPU: timings at phase edges then include the work launched before."""
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             torch.cuda.synchronize(index)
@@ -40,17 +41,18 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        _sync()
+        sync_gpus()
         start = time.perf_counter()
         try:
             yield
         finally:
-            _sync()
+            sync_gpus()
             self.add(phase, time.perf_counter() - start)
 
 
 @contextlib.contextmanager
-def _patched(owner: object, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+def patched(owner: object, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """`owner.name` replaced by `make(original)` while active, then the original restored."""
     raw = vars(owner).get(name, getattr(owner, name))  # the descriptor itself, for restoring
     setattr(owner, name, make(getattr(owner, name)))
     try:
@@ -89,7 +91,7 @@ def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
 
     def epoch_end(original):
         def wrapper(self, *args, **kwargs):
-            _sync()
+            sync_gpus()
             timer.add("capture", time.perf_counter() - timer._mark)
             with timer.timed("layer_work"):
                 result = original(self, *args, **kwargs)
@@ -100,16 +102,16 @@ def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         timer.losses = stack.enter_context(block_losses())
-        stack.enter_context(_patched(BlockForwardRunner, "forward", forward))
-        stack.enter_context(_patched(SignRoundQuantizer, "quantize_block", timed_as("tuning")))
+        stack.enter_context(patched(BlockForwardRunner, "forward", forward))
+        stack.enter_context(patched(SignRoundQuantizer, "quantize_block", timed_as("tuning")))
         stack.enter_context(
-            _patched(SignRoundQuantizer, "_scale_loss_and_backward", timed_as("tuning.backward"))
+            patched(SignRoundQuantizer, "_scale_loss_and_backward", timed_as("tuning.backward"))
         )
-        stack.enter_context(_patched(SignRoundQuantizer, "_step", timed_as("tuning.step")))
+        stack.enter_context(patched(SignRoundQuantizer, "_step", timed_as("tuning.step")))
         stack.enter_context(
-            _patched(quantizer_module, "collect_best_params", timed_as("tuning.best_params"))
+            patched(quantizer_module, "collect_best_params", timed_as("tuning.best_params"))
         )
-        stack.enter_context(_patched(AutoRoundModifier, "on_sequential_epoch_end", epoch_end))
+        stack.enter_context(patched(AutoRoundModifier, "on_sequential_epoch_end", epoch_end))
         timer._mark = time.perf_counter()
         yield
 
@@ -127,7 +129,7 @@ def gptq_phases(timer: PhaseTimer) -> Iterator[None]:
 
     def epoch_end(original):
         def wrapper(self, *args, **kwargs):
-            _sync()
+            sync_gpus()
             timer.add("calibration", time.perf_counter() - timer._mark)
             with timer.timed("updates"):
                 result = original(self, *args, **kwargs)
@@ -140,18 +142,18 @@ def gptq_phases(timer: PhaseTimer) -> Iterator[None]:
 
     @contextlib.contextmanager
     def disable_hooks(cls, *args, **kwargs):
-        _sync()
+        sync_gpus()
         start = time.perf_counter()
         with original_disable(cls, *args, **kwargs):
             yield
-        _sync()
+        sync_gpus()
         if timer.layers:
             layer = timer.layers[-1]
             layer["propagation"] = layer.get("propagation", 0.0) + time.perf_counter() - start
         timer._mark = time.perf_counter()
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(GPTQModifier, "on_sequential_epoch_end", epoch_end))
-        stack.enter_context(_patched(HooksMixin, "disable_hooks", lambda _: classmethod(disable_hooks)))
+        stack.enter_context(patched(GPTQModifier, "on_sequential_epoch_end", epoch_end))
+        stack.enter_context(patched(HooksMixin, "disable_hooks", lambda _: classmethod(disable_hooks)))
         timer._mark = time.perf_counter()
         yield

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -35,6 +35,7 @@ from llmcompressor_parallel import (  # noqa: E402
     DataParallelAutoRoundModifier,
     ParallelGPTQExpertModifier,
 )
+from phases import patched, sync_gpus  # noqa: E402
 from report import bench_folders  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 
@@ -42,29 +43,22 @@ COMMON = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gat
 TIMES: dict[tuple[str, str], float] = collections.defaultdict(float)
 
 
-def _sync_all() -> None:
-    for index in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(index)
+def _timed_as(key: str, sync: Callable[[], None]) -> Callable[[Callable], Callable]:
+    """A `patched` maker: each call's time, between synchronisations, added to TIMES[key, thread]."""
 
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, key: str, sync: Callable[[], None]) -> Iterator[None]:
-    real = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        sync()
-        start = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
+    def make(real: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             sync()
-            TIMES[(key, threading.current_thread().name)] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                sync()
+                TIMES[(key, threading.current_thread().name)] += time.perf_counter() - start
 
-    setattr(owner, name, timed)
-    try:
-        yield
-    finally:
-        setattr(owner, name, real)
+        return timed
+
+    return make
 
 
 def _sync_current() -> None:
@@ -85,17 +79,17 @@ def gptq_pass(args: argparse.Namespace, work: Path) -> None:
     recipe = ParallelGPTQExpertModifier(data_parallel=devices if args.gpus > 1 else "off", **COMMON)
     with contextlib.ExitStack() as stack:
         for owner, name, key, sync in [
-            (pipeline, "SubgraphReplicas", "replicas build", _sync_all),
-            (pipeline._PassRunner, "_parallel", "pass (all parts)", _sync_all),
+            (pipeline, "SubgraphReplicas", "replicas build", sync_gpus),
+            (pipeline._PassRunner, "_parallel", "pass (all parts)", sync_gpus),
             (pipeline.IntermediatesCache, "fetch", "fetch via home", _sync_current),
             (pipeline, "fetch_to", "fetch to own device", _sync_current),
             (pipeline.Subgraph, "forward", "subgraph forward", _sync_current),
             (pipeline, "_offload_copies", "offload copies", _sync_current),
             (pipeline, "_store", "store (under lock)", _sync_current),
-            (type(recipe), "end_parallel_calibration", "Hessian merge", _sync_all),
-            (type(recipe), "on_sequential_epoch_end", "updates", _sync_all),
+            (type(recipe), "end_parallel_calibration", "Hessian merge", sync_gpus),
+            (type(recipe), "on_sequential_epoch_end", "updates", sync_gpus),
         ]:
-            stack.enter_context(_patched(owner, name, key, sync))
+            stack.enter_context(patched(owner, name, _timed_as(key, sync)))
         start = time.perf_counter()
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
                 recipe=recipe, num_calibration_samples=args.samples,
@@ -115,30 +109,32 @@ def autoround_profile(args: argparse.Namespace, work: Path) -> None:
         data_parallel=_devices(args.gpus) if args.gpus > 1 else "off", iters=args.iters, batch_size=8,
         enable_torch_compile=False, grouped_expert_tokens=args.expert_tokens, **COMMON,
     )
-    grouped = autoround_module.GroupedAutoRoundExperts
-    real_enter, real_exit = grouped.__enter__, grouped.__exit__
     state: dict[str, Any] = {}
 
-    def enter(self):  # the grouped experts' context spans quantize_block
-        _sync_all()
-        state["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        state["profiler"].__enter__()
-        state["start"] = time.perf_counter()
-        return real_enter(self)
+    def enter(real: Callable) -> Callable:  # the grouped experts' context spans quantize_block
+        def profiled(self):
+            sync_gpus()
+            state["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["profiler"].__enter__()
+            state["start"] = time.perf_counter()
+            return real(self)
 
-    def exit_(self, *exc):
-        result = real_exit(self, *exc)
-        _sync_all()
-        state["wall"] = time.perf_counter() - state["start"]
-        state["profiler"].__exit__(None, None, None)
-        return result
+        return profiled
 
-    grouped.__enter__, grouped.__exit__ = enter, exit_
-    try:
+    def exit_(real: Callable) -> Callable:
+        def profiled(self, *exc):
+            result = real(self, *exc)
+            sync_gpus()
+            state["wall"] = time.perf_counter() - state["start"]
+            state["profiler"].__exit__(None, None, None)
+            return result
+
+        return profiled
+
+    grouped = autoround_module.GroupedAutoRoundExperts
+    with patched(grouped, "__enter__", enter), patched(grouped, "__exit__", exit_):
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
                 recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len)
-    finally:
-        grouped.__enter__, grouped.__exit__ = real_enter, real_exit
     events = state["profiler"].key_averages()
     print(f"quantize_block wall {state['wall']:.2f} s on {args.gpus} GPU(s), iters {args.iters} "
           "(GPU busy time: the tables' 'Self CUDA time total', summed over the GPUs)")
