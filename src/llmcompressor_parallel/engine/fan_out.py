@@ -85,6 +85,22 @@ def _participants(layer: nn.Module) -> list[FanOutParticipant]:
         return [p for module in layer.modules() for p in _PARTICIPANTS.get(module, ())]
 
 
+def _prepare_participants(layer: nn.Module, replicas: ReplicaSet, parts: int) -> list[Prepared]:
+    """Every participant's preparation for one call; on any failure the ones already
+    prepared are finished before it propagates (the call then runs serially or fails)."""
+    prepared: list[Prepared] = []
+    try:
+        for participant in _participants(layer):
+            done = participant.prepare_fan_out(replicas, parts)
+            if done is not None:
+                prepared.append(done)
+    except BaseException:
+        for done in prepared:
+            done.finish()
+        raise
+    return prepared
+
+
 class FanOut:
     """Context manager that fans `layer.forward` out over `pool` while active.
 
@@ -176,20 +192,10 @@ class FanOut:
             return self._serial(original, args, kwargs, str(reason))
 
         parts = min(len(self.pool.devices), batch)
-        prepared: list[Prepared] = []
         try:
-            for participant in _participants(self.layer):
-                done = participant.prepare_fan_out(replicas, parts)
-                if done is not None:
-                    prepared.append(done)
+            prepared = _prepare_participants(self.layer, replicas, parts)
         except NotReplicable as reason:
-            for done in prepared:
-                done.finish()
             return self._serial(original, args, kwargs, str(reason))
-        except BaseException:
-            for done in prepared:
-                done.finish()
-            raise
         try:
             return self._fanned(original, args, kwargs, batch, parts, primary, prepared)
         finally:

@@ -306,15 +306,16 @@ class ReplicaSet:
         if not trainable:
             return
         targets = [r for r in self._replicas[:parts] if r is not None]
-        if skip:
-            skipped = [slot for slot in trainable if id(self._home_tensor(slot)) in skip]
-            trainable = [slot for slot in trainable if id(self._home_tensor(slot)) not in skip]
-            for replica in targets:
-                for slot in skipped:
-                    self._remove(replica, slot)
-            if not trainable:
-                return
         params = [self._home_tensor(slot) for slot in trainable]
+        if skip:
+            for replica in targets:
+                for slot, param in zip(trainable, params):
+                    if id(param) in skip:
+                        self._remove(replica, slot)
+            kept = [(slot, param) for slot, param in zip(trainable, params) if id(param) not in skip]
+            if not kept:
+                return
+            trainable, params = (list(column) for column in zip(*kept))
         for replica, copies in zip(targets, _copy_differentiable(params, [r.device for r in targets])):
             for slot, copy in zip(trainable, copies):
                 self._install(replica, slot, copy)
