@@ -43,14 +43,17 @@ def _cache_suffix(gpus: int, keep_cache: bool | None) -> str:
     return "-gpucache" if on else ""
 
 
-def _variant_suffix(gpus: int, tokens: str, qdq_once: bool) -> str:
-    """How the config is named when it departs from the defaults: "-routed", "-qdq-each"."""
+def _variant_suffix(gpus: int, tokens: str, qdq_once: bool, exact: bool = True) -> str:
+    """How the config is named when it departs from the defaults: "-routed", "-qdq-each",
+    "-split" (exact_gradients=False)."""
     suffix = "" if tokens == "auto" else f"-{tokens}"
-    return suffix + ("" if qdq_once or gpus == 1 else "-qdq-each")
+    if gpus > 1:
+        suffix += ("" if qdq_once else "-qdq-each") + ("" if exact else "-split")
+    return suffix
 
 
 def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | None = None,
-              tokens: str = "auto", qdq_once: bool = True):
+              tokens: str = "auto", qdq_once: bool = True, exact: bool = True):
     """gpus=None: stock; else ours on that many devices (1: data_parallel="off")."""
     common = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"],
                   iters=args.iters, batch_size=args.batch_size, enable_torch_compile=False)
@@ -63,7 +66,7 @@ def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | Non
     return DataParallelAutoRoundModifier(data_parallel=data_parallel, keep_cache_on_gpu=keep_cache,
                                          grouped_experts=not args.no_grouped,
                                          grouped_expert_tokens=tokens, grouped_qdq_once=qdq_once,
-                                         **common)
+                                         exact_gradients=exact, **common)
 
 
 def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: Path | None,
@@ -106,6 +109,9 @@ def main() -> None:
     parser.add_argument("--qdq-once", nargs="+", choices=["on", "off"], default=["on"],
                         help="grouped_qdq_once of ours on >= 2 GPUs (off: each replica computes "
                              "its own qdq from the tuning parameters sent to it); several run in turn")
+    parser.add_argument("--exact", nargs="+", choices=["on", "off"], default=["on"],
+                        help="exact_gradients of ours on >= 2 GPUs (off: each replica sums its own "
+                             "rows' weight gradients); several run in turn")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")
@@ -114,13 +120,15 @@ def main() -> None:
         model_dir = save_random_model(shape, args.layers, work / f"{shape}-{args.layers}-layers")
         stock_seconds = None
         configs = {"stock-1gpu": (None, ())}
-        for cache, tokens, qdq, g in itertools.product(args.cache, args.expert_tokens,
-                                                       args.qdq_once, args.gpus):
-            # by name: "default" on 2 GPUs and "on" are one configuration, qdq is moot on 1
+        for cache, tokens, qdq, exact, g in itertools.product(
+            args.cache, args.expert_tokens, args.qdq_once, args.exact, args.gpus
+        ):
+            # by name: "default" on 2 GPUs and "on" are one configuration; qdq and exact
+            # are moot on 1
             keep_cache = CACHE_CHOICES[cache]
-            name = (f"ours-{g}gpu" + _cache_suffix(g, keep_cache)
-                    + _variant_suffix(g, tokens, qdq == "on"))
-            configs.setdefault(name, (g, (keep_cache, tokens, qdq == "on")))
+            variant = (keep_cache, tokens, qdq == "on", exact == "on")
+            name = f"ours-{g}gpu" + _cache_suffix(g, keep_cache) + _variant_suffix(g, *variant[1:])
+            configs.setdefault(name, (g, variant))
         for name, (gpus, variant) in configs.items():
             if gpus is not None and not args.cpu and gpus > torch.cuda.device_count():
                 emit({"shape": shape, "config": name, "skipped": "not enough GPUs"}, out)
@@ -146,7 +154,8 @@ def main() -> None:
                 record["phase_speedups"] = {k: round(stock_layer[k] / max(layer.get(k, 1e-9), 1e-9), 3)
                                             for k in stock_layer}
                 record["parallel_efficiency"] = round(record["tuning_speedup"] / gpus, 3)
-                record["keep_cache_on_gpu"], record["expert_tokens"], record["qdq_once"] = variant
+                (record["keep_cache_on_gpu"], record["expert_tokens"], record["qdq_once"],
+                 record["exact_gradients"]) = variant
                 record["vs_stock_checkpoint"] = _agreement(work / f"{shape}-stock-1gpu", save_dir)
             emit(record, out)
             records.append(record)

@@ -1,14 +1,15 @@
 """Stock AutoRoundModifier vs DataParallelAutoRoundModifier, same model, data and seed.
 
-The demo model (trained, so tuning has real signal) is quantized by both in the same
-test and the saved checkpoints are compared. With parallelism off the modifier is
-stock, bit for bit. With replicas, every no-grad pass and every forward is exact
-(tests/test_engine.py); what differs is the weight gradient, whose per-token terms
-are summed per replica and then added (stock sums the whole batch in one kernel).
-SignSGD turns those last-bit differences into different rounding decisions within a
-few iterations, in fp32 as under bf16 autocast (bench/demo_int_agreement.py), so the
-tests print the share of identical integers and assert what holds: the layers'
-losses agree with stock.
+The demo model (a trained MoE, so tuning has real signal) and a tiny random dense
+model are quantized by both in the same test and the saved checkpoints are compared.
+With parallelism off the modifier is stock, bit for bit. With replicas, every
+forward is exact row for row, and with `exact_gradients` (the default) each wrapped
+Linear's weight gradient is one matmul over the whole batch on the home, as stock's:
+stock's checkpoint, bit for bit. Where weight gradients are summed per replica
+(`exact_gradients=False`, and grouped experts under replicas), SignSGD turns the
+other summation order into other rounding decisions within a few iterations
+(bench/demo_int_agreement.py): those tests print the share of identical integers and
+assert that the layers' losses agree with stock.
 """
 
 import pytest
@@ -17,6 +18,7 @@ from llmcompressor.modifiers.autoround import AutoRoundModifier
 from llmcompressor_parallel import DataParallelAutoRoundModifier
 from llmcompressor_parallel.demo import calibration_dataset, demo_model_path
 from oneshot_runs import AUTOROUND_ARGS, block_losses, compare_checkpoints, run_oneshot
+from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -43,7 +45,8 @@ def stock(tmp_path_factory, calibration):
 
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory, calibration):
-    return _ours(tmp_path_factory.mktemp("two"), calibration, data_parallel=["cpu", "cpu"])
+    return _ours(tmp_path_factory.mktemp("two"), calibration, data_parallel=["cpu", "cpu"],
+                 grouped_experts=False)
 
 
 def _ours(tmp_path, calibration, **knobs):
@@ -97,26 +100,66 @@ def test_off_with_gpu_cache_setting_is_bit_identical(stock, tmp_path, calibratio
     assert figures["int_identical"] == 1.0 and figures["worst_scale_rel"] == 0.0
 
 
+def _assert_bit_identical(stock_run, our_run, label: str) -> None:
+    figures = compare_checkpoints(stock_run[0], our_run[0])
+    print(f"{label}: {figures}")
+    assert figures == {**figures, "int_identical": 1.0, "worst_scale_rel": 0.0,
+                       "other_tensors_equal": 1.0}
+    assert our_run[1] == stock_run[1]
+
+
 @pytest.mark.parametrize("replicas", [2, 3], ids=["2-even", "3-uneven"])
-def test_replicas_agree_with_stock(stock, two_replicas, tmp_path, calibration, replicas):
+def test_replicas_are_bit_identical_to_stock(stock, two_replicas, tmp_path, calibration, replicas):
+    """Exact weight gradients (the default) with the per-expert loop: stock's checkpoint."""
     if replicas == 2:
-        ours, losses = two_replicas
+        ours = two_replicas
     else:
-        ours, losses = _ours(tmp_path, calibration, data_parallel=["cpu"] * replicas)
+        ours = _ours(tmp_path, calibration, data_parallel=["cpu"] * replicas, grouped_experts=False)
+    split = "2+2" if replicas == 2 else "2+1+1"
+    _assert_bit_identical(stock, ours, f"{replicas} CPU replicas (batch 4 split {split})")
+
+
+def test_replicas_with_grouped_experts_agree_with_stock(stock, tmp_path, calibration):
+    """Grouped experts under replicas tune on routed tokens and sum their gradients per
+    replica: the integers differ from stock's, the losses agree (printed)."""
+    ours, losses = _ours(tmp_path, calibration, data_parallel=["cpu", "cpu"])
     figures = compare_checkpoints(stock[0], ours)
-    print(f"{replicas} CPU replicas (batch 4 split {'2+2' if replicas == 2 else '2+1+1'}): {figures}")
+    print(f"2 CPU replicas, grouped experts: {figures}")
     assert figures["other_tensors_equal"] == 1.0
-    _assert_losses_agree(stock[1], losses, f"{replicas} replicas")
+    _assert_losses_agree(stock[1], losses, "2 replicas, grouped experts")
 
 
-def test_per_replica_batch_equals_the_global_batch_split(stock, two_replicas, tmp_path, calibration):
-    """2 replicas x batch_size 2 each is stock's batch_size 4, split over 2: bit for bit."""
-    ours, losses = _ours(
+def test_replicas_with_split_gradient_sums_agree_with_stock(stock, tmp_path, calibration):
+    """exact_gradients=False: each replica sums its rows' weight gradients; SignSGD turns
+    the other summation order into other integers (printed), the losses agree."""
+    ours, losses = _ours(tmp_path, calibration, data_parallel=["cpu", "cpu"],
+                         grouped_experts=False, exact_gradients=False)
+    figures = compare_checkpoints(stock[0], ours)
+    print(f"2 CPU replicas, per-replica gradient sums: {figures}")
+    assert figures["other_tensors_equal"] == 1.0 and figures["int_identical"] < 1.0
+    _assert_losses_agree(stock[1], losses, "2 replicas, per-replica sums")
+
+
+def test_per_replica_batch_is_stock_with_the_global_batch(stock, tmp_path, calibration):
+    """2 replicas x batch_size 2 each is stock's batch_size 4: bit for bit."""
+    ours = _ours(
         tmp_path, calibration, data_parallel=["cpu", "cpu"], parallel_batch="per_replica",
-        override={"batch_size": 2},
+        grouped_experts=False, override={"batch_size": 2},
     )
-    split = compare_checkpoints(two_replicas[0], ours)
-    print(f"per_replica 2 x 2 vs split of batch 4 over 2: {split}")
-    assert split["int_identical"] == 1.0 and split["worst_scale_rel"] == 0.0
-    assert losses == two_replicas[1]
-    _assert_losses_agree(stock[1], losses, "per_replica vs stock batch 4")
+    _assert_bit_identical(stock, ours, "per_replica 2 x 2 vs stock batch 4")
+
+
+@pytest.mark.parametrize("replicas", [2, 3], ids=["2-even", "3-uneven"])
+def test_dense_model_replicas_are_bit_identical_to_stock(tmp_path, replicas):
+    """A tiny random Llama (batch 4 of 16 samples: splits 2+2 and 2+1+1)."""
+    model = save_tiny_model("dense", tmp_path / "model")
+    runs = []
+    for label, recipe in [
+        ("stock", AutoRoundModifier(iters=ITERS, **AUTOROUND_ARGS)),
+        ("ours", DataParallelAutoRoundModifier(iters=ITERS, data_parallel=["cpu"] * replicas,
+                                               **AUTOROUND_ARGS)),
+    ]:
+        with block_losses() as losses:
+            tensors = run_oneshot(model, recipe, tmp_path / label)
+        runs.append((tensors, list(losses)))
+    _assert_bit_identical(runs[0], runs[1], f"tiny dense, {replicas} CPU replicas")

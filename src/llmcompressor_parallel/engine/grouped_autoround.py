@@ -433,6 +433,11 @@ class GroupedAutoRoundExperts:
             register_participant(self.layer, self)
         return self
 
+    @property
+    def experts_modules(self) -> list[LinearExperts2D]:
+        """The experts modules that run grouped while this context is active."""
+        return [site.home for site in self._sites]
+
     def __exit__(self, *exc_info: object) -> None:
         unregister_participant(self.layer, self)
         for site in self._sites:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import comm
 
-__all__ = ["NotReplicable", "ReplicaSet", "module_device"]
+__all__ = ["NotReplicable", "ReplicaSet", "copy_detached", "module_device"]
 
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -252,7 +252,7 @@ class ReplicaSet:
         for replica in self._replicas:
             if replica is None:
                 continue
-            copies = _copy_detached(home, replica.device)
+            copies = copy_detached(home, replica.device)
             for index, copy in zip(slot_indices, copies):
                 self._install(replica, self._slots[index], copy)
         for index, tensor in zip(slot_indices, home):
@@ -330,7 +330,8 @@ def _all_cuda(tensors: list[torch.Tensor], devices: list[torch.device]) -> bool:
     return all(t.is_cuda for t in tensors) and all(d.type == "cuda" for d in devices)
 
 
-def _copy_detached(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def copy_detached(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Plain copies of `tensors` on `device` (coalesced between GPUs)."""
     if not tensors:
         return []
     with torch.no_grad():

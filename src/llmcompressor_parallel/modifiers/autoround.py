@@ -27,6 +27,7 @@ from llmcompressor.modifiers.autoround import AutoRoundModifier
 
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
 from llmcompressor_parallel.engine.expert_tokens import TokenMode
+from llmcompressor_parallel.engine.exact_weight_grads import ExactWeightGradients
 from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.modifiers.autoround_capture import GroupedCapture
@@ -108,6 +109,16 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         for bit, gradients are summed before the one qdq backward). Where a replica's
         experts could not run grouped, that call runs serially, with a log line.
         False: each replica receives the parameters and computes its own qdq.
+    :param exact_gradients: data-parallel tuning sums each wrapped Linear's weight
+        gradient as stock does: the layer's device fake-quantizes the weight once, the
+        replicas run the Linear on their rows, and the weight gradient is one matmul
+        over the whole batch's gathered rows on the layer's device (default True:
+        stock's integers on CPU, exact_weight_grads.py). False: each replica sums its
+        own rows' weight gradient and the partials are added; the weight-gradient
+        matmuls then run in parallel too, and the integers differ from stock's in
+        about a quarter of places after tens of iterations (SignSGD amplifies the
+        different summation order; quality within stock's seed noise band,
+        docs/quality.md). Experts that run grouped keep their own path either way.
     """
 
     parallel_batch: ParallelBatch = "split"
@@ -115,6 +126,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     grouped_experts: bool = True
     grouped_expert_tokens: ExpertTokens = "auto"
     grouped_qdq_once: bool = True
+    exact_gradients: bool = True
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -126,7 +138,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     def _check_parallel_batch(cls, value: Any) -> str:
         return check_allowed("parallel_batch", value, _PARALLEL_BATCH_VALUES)
 
-    @field_validator("grouped_experts", "grouped_qdq_once", mode="before")
+    @field_validator("grouped_experts", "grouped_qdq_once", "exact_gradients", mode="before")
     @classmethod
     def _check_grouped_flags(cls, value: Any, info: Any) -> bool:
         return check_allowed(info.field_name, value, (True, False))
@@ -291,6 +303,9 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                         if pool is not None
                         else None
                     )
+                    if pool is not None and modifier.exact_gradients:
+                        leave_to = grouped.experts_modules if grouped is not None else ()
+                        stack.enter_context(ExactWeightGradients(block, name, leave_to))
                     result = quantize_block(block, *q_args, **q_kwargs)
                 _log_layer_summary(name, fan_out, grouped, pool)
                 return result

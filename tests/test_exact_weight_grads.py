@@ -1,0 +1,105 @@
+"""Exact weight gradients under the fan-out vs auto-round's wrapped Linears run whole.
+
+The block is test_grouped_autoround's MoE block with auto-round-wrapped experts run
+by llm-compressor's per-expert loop (every wrapper a Linear the exact path covers),
+random tuning parameters partly outside auto-round's clamp bounds. One call and one
+backward of a fixed probe, the batch whole (stock) and split over CPU parts: the
+gradients of every tuning parameter must be stock's bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
+from llmcompressor_parallel.engine.exact_weight_grads import (
+    ExactWeightGradients,
+    _Rows,
+    _Tap,
+    _WeightGrad,
+)
+from oneshot_runs import log_lines
+from test_grouped_autoround import PARAMS, inputs, run, wrapped_block, wrappers
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+def _identical_share(stock: dict, ours: dict) -> dict[str, float]:
+    return {
+        name: sum(torch.equal(a, b) for a, b in zip(stock[name], ours[name])) / len(stock[name])
+        for name in stock
+    }
+
+
+@pytest.mark.parametrize("amp", [True, False], ids=["bf16-autocast", "fp32"])
+@pytest.mark.parametrize("parts,batch", [(2, 4), (3, 4)], ids=["2-even", "3-uneven"])
+def test_split_batch_gradients_are_stock_bits(amp, parts, batch):
+    block = wrapped_block(dtype=torch.bfloat16 if amp else torch.float32)
+    x = inputs(batch=batch)
+    stock = run(block, x, amp=amp)
+    with DeviceWorkerPool([torch.device("cpu")] * parts) as pool:
+        with ExactWeightGradients(block, "block") as exact:
+            ours = run(block, x, amp=amp, pool=pool)
+    shares = _identical_share(stock[1], ours[1])
+    print(f"\n{parts} parts, batch {batch}, amp={amp}: share of bit-identical gradients {shares}")
+    assert exact.exact_calls == 1
+    assert torch.equal(stock[0], ours[0])
+    assert shares == {name: 1.0 for name in (*PARAMS, "input")}
+
+
+def test_without_it_the_split_sums_differ():
+    """The control: the same split with per-replica sums is not stock's bits."""
+    block = wrapped_block(dtype=torch.bfloat16)
+    x = inputs(batch=4)
+    stock = run(block, x)
+    with DeviceWorkerPool([torch.device("cpu")] * 2) as pool:
+        ours = run(block, x, pool=pool)
+    shares = _identical_share(stock[1], ours[1])
+    print(f"\nper-replica sums: share of bit-identical gradients {shares}")
+    assert shares["value"] < 1.0
+
+
+def test_patches_end_with_the_call_and_replicas_get_no_tuning_copies():
+    block = wrapped_block(dtype=torch.bfloat16)
+    home_state = [dict(w.__dict__) for w in wrappers(block)]
+    x = inputs(batch=4).to(torch.bfloat16)
+    with DeviceWorkerPool([torch.device("cpu")] * 2) as pool:
+        with ExactWeightGradients(block, "block"), FanOut(block, pool, "block") as fan_out:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = block(x)
+            for wrapper in wrappers(block):
+                copy = fan_out._replicas.counterparts(wrapper, 2)[1]
+                assert copy is not wrapper
+                assert not set(PARAMS) & set(copy._parameters)
+                assert not set(PARAMS) & set(copy.__dict__)
+            out.float().sum().backward()
+    assert fan_out.parallel_calls == 1
+    assert [dict(w.__dict__) for w in wrappers(block)] == home_state
+    assert all(w.value.grad is not None for w in wrappers(block))
+
+
+def test_a_part_whose_output_gradient_never_came_is_named():
+    """Unreachable through a fan-out (its gather hands every part a gradient, zeros
+    included), hence driven by hand: the weight gradient is refused, not partial."""
+    weight = torch.randn(3, 4, requires_grad=True)
+    rows = _Rows([torch.device("cpu"), torch.device("meta")])
+    token = _WeightGrad.apply(weight * 1, rows, "layer.q_proj")
+    x = torch.randn(2, 4)
+    rows.inputs[0] = x
+    output = _Tap.apply(x @ weight.detach().t(), token, rows, 0)
+    with pytest.raises(RuntimeError, match=r"layer\.q_proj: no output gradient from the "
+                                           r"part\(s\) on meta"):
+        output.sum().backward()
+
+
+def test_unsupported_wrapper_keeps_split_sums_with_a_reason():
+    block = wrapped_block(dtype=torch.bfloat16)
+    first = wrappers(block)[0]
+    first.orig_forward = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+    with DeviceWorkerPool([torch.device("cpu")] * 2) as pool, log_lines() as lines:
+        with ExactWeightGradients(block, "block") as exact:
+            run(block, inputs(batch=4), pool=pool)
+    assert exact.exact_calls == 1  # the others still gather
+    assert any("block.experts.0.up_proj: weight gradients summed per replica: its "
+               "orig_forward is <function" in line for line in lines)
