@@ -13,12 +13,8 @@ import pytest
 import torch
 
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
-from llmcompressor_parallel.engine.exact_weight_grads import (
-    ExactWeightGradients,
-    _Rows,
-    _Tap,
-    _WeightGrad,
-)
+from llmcompressor_parallel.engine.exact_weight_grads import ExactWeightGradients
+from llmcompressor_parallel.engine.gathered_weight import GatheredWeight
 from oneshot_runs import log_lines
 from test_grouped_autoround import PARAMS, inputs, run, wrapped_block, wrappers
 
@@ -44,6 +40,23 @@ def test_split_batch_gradients_are_stock_bits(amp, parts, batch):
     shares = _identical_share(stock[1], ours[1])
     print(f"\n{parts} parts, batch {batch}, amp={amp}: share of bit-identical gradients {shares}")
     assert exact.exact_calls == 1
+    assert torch.equal(stock[0], ours[0])
+    assert shares == {name: 1.0 for name in (*PARAMS, "input")}
+
+
+@pytest.mark.parametrize("amp", [True, False], ids=["bf16-autocast", "fp32"])
+@pytest.mark.parametrize("parts,batch", [(2, 4), (3, 4)], ids=["2-even", "3-uneven"])
+def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch):
+    """Experts grouped on all tokens with qdq once: the stacks' gradients are gathered
+    on the home (gathered_weight.py, "bmm" layouts)."""
+    block = wrapped_block(dtype=torch.bfloat16 if amp else torch.float32)
+    x = inputs(batch=batch)
+    stock = run(block, x, amp=amp)
+    with DeviceWorkerPool([torch.device("cpu")] * parts) as pool:
+        ours = run(block, x, amp=amp, pool=pool, grouped=dict(all_tokens="auto", exact=True))
+    shares = _identical_share(stock[1], ours[1])
+    print(f"\ngrouped, {parts} parts, amp={amp}: share of bit-identical gradients {shares}")
+    assert ours[3].shipped_calls == 1 and ours[3].stock_calls == 0
     assert torch.equal(stock[0], ours[0])
     assert shares == {name: 1.0 for name in (*PARAMS, "input")}
 
@@ -83,11 +96,9 @@ def test_a_part_whose_output_gradient_never_came_is_named():
     """Unreachable through a fan-out (its gather hands every part a gradient, zeros
     included), hence driven by hand: the weight gradient is refused, not partial."""
     weight = torch.randn(3, 4, requires_grad=True)
-    rows = _Rows([torch.device("cpu"), torch.device("meta")])
-    token = _WeightGrad.apply(weight * 1, rows, "layer.q_proj")
+    gathered = GatheredWeight(weight * 1, [torch.device("cpu"), torch.device("meta")], "layer.q_proj")
     x = torch.randn(2, 4)
-    rows.inputs[0] = x
-    output = _Tap.apply(x @ weight.detach().t(), token, rows, 0)
+    output = gathered.record(0, x, x @ weight.detach().t())
     with pytest.raises(RuntimeError, match=r"layer\.q_proj: no output gradient from the "
                                            r"part\(s\) on meta"):
         output.sum().backward()

@@ -211,8 +211,8 @@ def test_oneshot_two_cpu_replicas_qdq_once_vs_per_replica(tmp_path, monkeypatch)
     plain_calls: list[bool] = []  # calls with plain experts (reference outputs, after unwrap)
     prepare = GroupedAutoRoundExperts.prepare_fan_out
 
-    def recorded(self, replicas, parts):
-        result = prepare(self, replicas, parts)
+    def recorded(self, replicas, parts, primary):
+        result = prepare(self, replicas, parts, primary)
         if any(isinstance(m, WrapperLinear) for m in self.layer.modules()):
             shipped.append(result is not None)
         else:

@@ -1,22 +1,15 @@
 """Weight gradients of auto-round's wrapped Linears summed as stock sums them.
 
-With the batch split over replicas, each part's weight gradient of a Linear is a sum
-over its own tokens and the partials are then added: the same terms as stock's one
-matmul, in another order. SignSGD turns those last-bit differences into different
-rounding decisions within a few iterations (bench/demo_int_agreement.py). While a
-fanned-out call runs with gradients, this participant makes instead:
-- the home compute each wrapped Linear's fake-quantized weight once, with
-  auto-round's own `_qdq_weight` (its in-place scale clamps included), and hand
-  every part a detached copy (in autocast's dtype where autocast would cast it);
-- every part run the Linear on its own rows (its input gradient too, by autograd,
-  row for row what stock computes) and keep its input and its output gradient;
-- the home, once every part's output gradient has arrived, compute the weight
-  gradient from the gathered rows with the one matmul stock's backward runs over the
-  whole batch, and auto-round's qdq backward run once on it.
-The tuning parameters are then not copied to the replicas. The result is stock's
-gradient bit for bit wherever a row-split forward is (checked on CPU by
-tests/test_exact_weight_grads.py); the price is that the weight-gradient matmuls (a
-third of a Linear's tuning FLOPs) run on the home only.
+While a fanned-out call runs with gradients, the home computes each wrapped Linear's
+fake-quantized weight once, with auto-round's own `_qdq_weight` (its in-place scale
+clamps included), and hands every part a detached copy (in autocast's dtype where
+autocast would cast it); each part runs the Linear on its own rows, and the weight
+gradient is computed once over the whole batch (gathered_weight.py), then auto-round's
+qdq backward runs once on it. The tuning parameters are then not copied to the
+replicas. The result is stock's gradient bit for bit wherever a row-split forward is
+(CPU: tests/test_exact_weight_grads.py; 2 H200s at the Llama-3-8B shape: stock's
+checkpoint); the price is that the weight-gradient matmuls (a third of a Linear's
+tuning FLOPs) run on the home only.
 """
 
 from __future__ import annotations
@@ -34,6 +27,7 @@ from torch import nn
 
 from auto_round.wrapper import WrapperLinear
 from llmcompressor_parallel.engine.fan_out import register_participant, unregister_participant
+from llmcompressor_parallel.engine.gathered_weight import GatheredWeight
 from llmcompressor_parallel.engine.replicate import ReplicaSet, copy_detached
 
 __all__ = ["ExactWeightGradients", "exact_unsupported_reason"]
@@ -69,63 +63,12 @@ def _tuned(wrapper: WrapperLinear) -> dict[str, torch.Tensor]:
     }
 
 
-class _Rows:
-    """One call's inputs and output gradients of one Linear, one entry per part."""
-
-    def __init__(self, devices: list[torch.device]) -> None:
-        self.devices = devices
-        self.inputs: list[torch.Tensor | None] = [None] * len(devices)
-        self.grads: list[torch.Tensor | None] = [None] * len(devices)
-
-
-class _WeightGrad(torch.autograd.Function):
-    """Links the qdq'd weight to the parts: forward returns an empty token the parts'
-    outputs depend on, so that backward runs once all of them have reported; it then
-    returns the weight gradient over the whole batch."""
-
-    @staticmethod
-    def forward(ctx: Any, weight_q: torch.Tensor, rows: _Rows, name: str) -> torch.Tensor:
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.name = rows, name
-        ctx.weight_dtype, ctx.home = weight_q.dtype, weight_q.device
-        return weight_q.new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, _unused: torch.Tensor | None) -> tuple:
-        rows, ctx.rows = ctx.rows, None
-        missing = [str(rows.devices[p]) for p, grad in enumerate(rows.grads) if grad is None]
-        if missing:
-            raise RuntimeError(
-                f"{ctx.name}: no output gradient from the part(s) on {', '.join(missing)}; "
-                "every part's output must reach the loss"
-            )
-        inputs = torch.cat([x.to(ctx.home) for x in rows.inputs]).flatten(0, -2)
-        grads = torch.cat([g.to(ctx.home) for g in rows.grads]).flatten(0, -2)
-        # stock's Linear backward: grad_weight = grad_output^T @ input over all tokens
-        return grads.t().mm(inputs).to(ctx.weight_dtype), None, None
-
-
-class _Tap(torch.autograd.Function):
-    """Identity on a part's Linear output; backward keeps its gradient for `_WeightGrad`."""
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor, rows: _Rows, part: int):
-        ctx.rows, ctx.part = rows, part
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.rows.grads[ctx.part] = grad
-        return grad, None, None, None
-
-
 @dataclass
 class _Shipment:
-    """What one call's parts use: each part's weight copy, the rows and the token."""
+    """What one call's parts use: each part's weight copy, and the gathered gradient."""
 
     weights: list[torch.Tensor]
-    rows: _Rows
-    token: torch.Tensor
+    gathered: GatheredWeight
 
 
 class _Site:
@@ -148,8 +91,7 @@ class _Site:
         shipment = self.shipment
         if not torch.is_grad_enabled() or shipment is None:
             return output
-        shipment.rows.inputs[part] = x.detach().to(output.dtype)
-        return _Tap.apply(output, shipment.token, shipment.rows, part)
+        return shipment.gathered.record(part, x.to(output.dtype), output)
 
 
 @dataclass
@@ -213,7 +155,9 @@ class ExactWeightGradients:
         self._sites, self._key = [], None
 
     # ------------------------------------------------------------ the call
-    def prepare_fan_out(self, replicas: ReplicaSet, parts: int) -> _Call | None:
+    def prepare_fan_out(
+        self, replicas: ReplicaSet, parts: int, primary: torch.Tensor
+    ) -> _Call | None:
         """Before a fanned-out call with gradients (caller's thread, no worker running):
         the qdq once per wrapped Linear, copies to the parts, the parts' wrappers
         patched to use them. Returns None when there is nothing to do."""
@@ -228,9 +172,8 @@ class ExactWeightGradients:
             weights = [self._qdq(site) for site in sites]
             copies = self._ship(weights, devices)
             for index, (site, weight_q) in enumerate(zip(sites, weights)):
-                rows = _Rows(devices)
-                token = _WeightGrad.apply(weight_q, rows, site.name)
-                site.shipment = _Shipment([copies[p][index] for p in range(parts)], rows, token)
+                gathered = GatheredWeight(weight_q, devices, site.name)
+                site.shipment = _Shipment([copies[p][index] for p in range(parts)], gathered)
                 call.sites.append(site)
                 self._patch(site, call)
         except BaseException:

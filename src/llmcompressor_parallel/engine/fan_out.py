@@ -49,12 +49,15 @@ class Prepared(Protocol):
 class FanOutParticipant(Protocol):
     """Work a context over (part of) a layer adds to each fanned-out call of it.
 
-    `prepare_fan_out(replicas, parts)` runs in the caller's thread after the replicas
-    are synced and before any copy or worker: it may raise `NotReplicable` (the call
-    then runs serially) or return None (nothing to do).
+    `prepare_fan_out(replicas, parts, primary)` runs in the caller's thread after the
+    replicas are synced and before any copy or worker (`primary`: the call's batched
+    first input, whole): it may raise `NotReplicable` (the call then runs serially) or
+    return None (nothing to do).
     """
 
-    def prepare_fan_out(self, replicas: ReplicaSet, parts: int) -> Prepared | None: ...
+    def prepare_fan_out(
+        self, replicas: ReplicaSet, parts: int, primary: torch.Tensor
+    ) -> Prepared | None: ...
 
 
 _PARTICIPANTS: "weakref.WeakKeyDictionary[nn.Module, list[FanOutParticipant]]" = (
@@ -85,13 +88,15 @@ def _participants(layer: nn.Module) -> list[FanOutParticipant]:
         return [p for module in layer.modules() for p in _PARTICIPANTS.get(module, ())]
 
 
-def _prepare_participants(layer: nn.Module, replicas: ReplicaSet, parts: int) -> list[Prepared]:
+def _prepare_participants(
+    layer: nn.Module, replicas: ReplicaSet, parts: int, primary: torch.Tensor
+) -> list[Prepared]:
     """Every participant's preparation for one call; on any failure the ones already
     prepared are finished before it propagates (the call then runs serially or fails)."""
     prepared: list[Prepared] = []
     try:
         for participant in _participants(layer):
-            done = participant.prepare_fan_out(replicas, parts)
+            done = participant.prepare_fan_out(replicas, parts, primary)
             if done is not None:
                 prepared.append(done)
     except BaseException:
@@ -193,7 +198,7 @@ class FanOut:
 
         parts = min(len(self.pool.devices), batch)
         try:
-            prepared = _prepare_participants(self.layer, replicas, parts)
+            prepared = _prepare_participants(self.layer, replicas, parts, primary)
         except NotReplicable as reason:
             return self._serial(original, args, kwargs, str(reason))
         try:

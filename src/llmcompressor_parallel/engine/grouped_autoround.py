@@ -45,6 +45,7 @@ from llmcompressor_parallel.engine.expert_tokens import (
     choose_all_tokens,
 )
 from llmcompressor_parallel.engine.fan_out import register_participant, unregister_participant
+from llmcompressor_parallel.engine.gathered_weight import GatheredWeight
 from llmcompressor_parallel.engine.grouped_autoround_experts import (
     QuantizedGroupedExperts,
     ShippedGroupedExperts,
@@ -277,8 +278,8 @@ class _Site:
         # input move the grouped call makes itself
         self.offload_wrapped = is_offload_wrapper(home, self.saved_forward)
         # during a qdq-once fan-out: each running experts module (home, replicas) ->
-        # this call's qdq rows (gate_up, down) on its device; None otherwise
-        self.shipped: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # this call's qdq rows on its device; None otherwise
+        self.shipped: dict[nn.Module, _ShippedRows] | None = None
 
     def stock_forward(self, experts: nn.Module) -> Callable[..., torch.Tensor]:
         if experts is self.home and self.saved_forward is not _MISSING:
@@ -358,7 +359,10 @@ class _Site:
             self.choose_tokens(plan, hidden_states)
         runner.backend = _call_backend(plan, hidden_states)
         device = runner.device
-        stacks = None if rows is None else stacks_from_rows(*rows, runner)
+        stacks = None
+        if rows is not None:
+            stacks = stacks_from_rows(rows.gate_up, rows.down, runner)
+            stacks.recorder = rows.recorder
         output = runner.forward(
             hidden_states.to(device), top_k_index.to(device), top_k_weights.to(device),
             stacks=stacks,
@@ -391,6 +395,11 @@ class GroupedAutoRoundExperts:
         tuning parameters are then not copied to the replicas. Where a replica's
         experts could not run grouped, the call runs serially (`prepare_fan_out`).
         False: every replica gets the tuning parameters and computes its own qdq.
+    :param exact: with `qdq_once`, in fanned-out calls with gradients where every
+        part runs all tokens, the stacks' gradients are computed on the home over
+        the whole batch's rows, as the serial grouped backward computes them
+        (gathered_weight.py); "auto" `all_tokens` is then decided for all parts at
+        once, before the call
     """
 
     def __init__(
@@ -400,6 +409,7 @@ class GroupedAutoRoundExperts:
         backend: Backend = "auto",
         all_tokens: TokenMode = True,
         qdq_once: bool = True,
+        exact: bool = False,
     ) -> None:
         if not (isinstance(all_tokens, bool) or all_tokens == "auto"):
             raise ValueError(f"all_tokens={all_tokens!r}; allowed: True, False, 'auto'")
@@ -408,6 +418,7 @@ class GroupedAutoRoundExperts:
         self.backend = backend
         self.all_tokens = all_tokens
         self.qdq_once = qdq_once
+        self.exact = exact
         self.shipped_calls = 0  # experts modules whose qdq a fan-out computed once and shipped
         self.grouped_calls = 0
         self.stock_calls = 0
@@ -445,7 +456,9 @@ class GroupedAutoRoundExperts:
             site.release()
         self._sites = []
 
-    def prepare_fan_out(self, replicas: ReplicaSet, parts: int) -> "_Shipment | None":
+    def prepare_fan_out(
+        self, replicas: ReplicaSet, parts: int, primary: torch.Tensor
+    ) -> "_Shipment | None":
         """Before a fanned-out call (caller's thread, before any worker starts): qdq once.
 
         For every experts module that the home runs grouped with qdq and that runs on
@@ -453,8 +466,11 @@ class GroupedAutoRoundExperts:
         shipped stacks (else raises `NotReplicable`: the caller runs the call serially,
         since those replicas get no tuning parameters), computes the qdq rows on the
         home (auto-round's in-place scale clamps included) and hands each replica a
-        differentiable copy of both. Returns which home tensors the fan-out must not
-        copy to the replicas, or None when nothing is shipped.
+        differentiable copy of both. With `exact`, where every part runs all tokens,
+        the parts get detached copies instead and the stacks' gradients are computed
+        on the home from all parts' rows (gathered_weight.py). Returns which home
+        tensors the fan-out must not copy to the replicas, or None when nothing is
+        shipped.
         """
         work = []
         for site in self._sites:
@@ -490,18 +506,23 @@ class GroupedAutoRoundExperts:
         try:
             for site, runner, modules, plans in work:
                 gate_up, down = runner.qdq_rows()
+                exact = self._gathers_exactly(site, runner, plans, primary)
+                recorders = self._recorders(site, runner, gate_up, down, replicas, parts) if exact else None
                 shipped = {}
-                for module in modules:
+                for part, module in enumerate(modules):
+                    recorder = None if recorders is None else recorders[part]
                     if module is site.home:
-                        shipped[module] = (gate_up, down)
-                    else:  # one differentiable copy per stack; backward sums in fp32 on home
+                        rows = (gate_up, down) if recorders is None else (gate_up.detach(), down.detach())
+                    else:  # one copy per stack (differentiable unless gathered exactly)
                         # cast before the copy: half the bytes both ways, same values (the
                         # replica would cast to this dtype first thing), and the gradient
                         # still turns fp32 on the home before the partials are added
                         replica = plans[module].runner
-                        shipped[module] = tuple(
-                            rows.to(replica.dtype).to(replica.device) for rows in (gate_up, down)
+                        rows = tuple(
+                            (r if recorders is None else r.detach()).to(replica.dtype).to(replica.device)
+                            for r in (gate_up, down)
                         )
+                    shipped[module] = _ShippedRows(*rows, recorder)
                 site.shipped = shipped
                 shipment.sites.append(site)
                 wrappers = runner.gate_up_qdq.wrappers + runner.down_qdq.wrappers
@@ -514,6 +535,50 @@ class GroupedAutoRoundExperts:
         with self._lock:
             self.shipped_calls += len(shipment.sites)
         return shipment
+
+    def _gathers_exactly(
+        self, site: "_Site", runner: StockOrderGroupedExperts, plans: dict, primary: torch.Tensor
+    ) -> bool:
+        """Whether this call's experts gradients are gathered on the home: `exact`, with
+        gradients, in llm-compressor's all-experts mode, and every part on all tokens
+        (decided here for all parts where `all_tokens` is "auto", by the home's memory
+        for the whole batch's tokens, since the home then holds the whole batch's rows)."""
+        if not (self.exact and torch.is_grad_enabled() and get_calibrate_all_experts_flag()):
+            return False
+        home_plan = site.plan_for(site.home)
+        if self.all_tokens == "auto" and not home_plan.tokens_decided:
+            tokens = primary.shape[0] * (primary.shape[1] if primary.dim() == 3 else 1)
+            needed = all_tokens_bytes(
+                runner.num_experts, tokens, runner.hidden_size, runner.intermediate_size,
+                runner.has_gate, _compute_dtype(primary).itemsize,
+            )
+            runner.all_tokens, why = choose_all_tokens(needed, runner.device)
+            home_plan.tokens_decided = True
+            if not runner.all_tokens:
+                self._log_once(site.name, f"experts tuned on routed tokens only: {why}")
+        if not runner.all_tokens:
+            self._log_once(site.name, "experts' weight gradients summed per replica: they "
+                                      "are tuned on routed tokens")
+            return False
+        for plan in plans.values():  # the replicas follow the home's choice
+            plan.runner.all_tokens, plan.tokens_decided = True, True
+        return True
+
+    @staticmethod
+    def _recorders(
+        site: "_Site", runner: StockOrderGroupedExperts, gate_up: torch.Tensor,
+        down: torch.Tensor, replicas: ReplicaSet, parts: int,
+    ) -> list["_PartRecorder"]:
+        """Each part's recorder over one `GatheredWeight` per stack of the home's stacks."""
+        stacks = stacks_from_rows(gate_up, down, runner)
+        devices = replicas.devices[:parts]
+        names = ["gate", "up"] if len(stacks.first) == 2 else ["up"]
+        gathers = [
+            GatheredWeight(w_t, devices, f"{site.name} {name} stack", "bmm_shared")
+            for w_t, name in zip(stacks.first, names)
+        ]
+        gathers.append(GatheredWeight(stacks.down_t, devices, f"{site.name} down stack", "bmm"))
+        return [_PartRecorder(gathers, part) for part in range(parts)]
 
     def _count(self, stock: bool, name: str = "", reason: str = "") -> None:
         with self._lock:
@@ -544,6 +609,27 @@ class _Shipment:
         for site in self.sites:
             site.shipped = None
         self.sites = []
+
+
+@dataclass
+class _ShippedRows:
+    """One running experts module's qdq rows for a call, and its part's recorder
+    where the stacks' gradients are gathered on the home."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    recorder: "_PartRecorder | None" = None
+
+
+@dataclass
+class _PartRecorder:
+    """Hands part `part`'s rows to the call's gathered stacks (gate, up, down order)."""
+
+    gathers: list[GatheredWeight]
+    part: int
+
+    def record(self, index: int, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        return self.gathers[index].record(self.part, input, output)
 
 
 def _bound_forward(site: _Site) -> Callable[..., Any]:

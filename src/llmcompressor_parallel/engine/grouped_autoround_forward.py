@@ -23,18 +23,30 @@ differ between batched and single calls anyway):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from llmcompressor_parallel.engine.grouped_ops import Routing, route, segment_matmul
 
-__all__ = ["ExpertStacks", "experts_forward", "rank_positions"]
+__all__ = ["ExpertStacks", "PartRecorder", "experts_forward", "rank_positions"]
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
+class PartRecorder(Protocol):
+    """A fanned-out part's hand-over of its matmuls' rows (exact gradients): `index`
+    counts the first projections, then down; returns the output to use."""
+
+    def record(self, index: int, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor: ...
+
+
 class ExpertStacks:
-    """The per-call expert weights: [E, H, I] (gate, up) or (up,), [E, I, H] down."""
+    """The per-call expert weights: [E, H, I] (gate, up) or (up,), [E, I, H] down.
+
+    `recorder`: set where the weights are detached copies whose gradients the home
+    computes from every part's rows (all-tokens mode only).
+    """
 
     def __init__(
         self,
@@ -42,11 +54,13 @@ class ExpertStacks:
         down_t: torch.Tensor,
         first_bias: Sequence[torch.Tensor] | None = None,
         down_bias: torch.Tensor | None = None,
+        recorder: PartRecorder | None = None,
     ) -> None:
         self.first = list(first)
         self.down_t = down_t
         self.first_bias = None if first_bias is None else list(first_bias)
         self.down_bias = down_bias
+        self.recorder = recorder
 
 
 def rank_positions(routing: Routing, top_k_index: torch.Tensor) -> torch.Tensor:
@@ -145,10 +159,16 @@ def _all_tokens(
     count = len(stacks.first)
     inputs = _PerExpertInput.apply(hidden, experts, count, _compute_dtype(hidden))
     projected = [torch.bmm(x, w_t) for x, w_t in zip(inputs, stacks.first)]  # [E, T, I]
+    recorder = stacks.recorder
+    if recorder is not None:  # every expert's input is the one cast hidden [T, H]
+        projected = [recorder.record(i, inputs[0][0], p) for i, p in enumerate(projected)]
     if stacks.first_bias is not None:
         projected = [p + b[:, None] for p, b in zip(projected, stacks.first_bias)]
     h = activation(torch.cat(projected, dim=-1).reshape(experts * tokens, -1))
-    y = torch.bmm(h.view(experts, tokens, -1), stacks.down_t)
+    h = h.view(experts, tokens, -1)
+    y = torch.bmm(h, stacks.down_t)
+    if recorder is not None:
+        y = recorder.record(count, h, y)
     if stacks.down_bias is not None:
         y = y + stacks.down_bias[:, None]
     return y[routing.expert, routing.token]
@@ -177,6 +197,11 @@ def experts_forward(
     ranks = rank_positions(routing, top_k_index)
     if all_experts and all_tokens and torch.is_grad_enabled():
         y = _all_tokens(hidden_states, routing, stacks, activation)
+    elif stacks.recorder is not None:
+        raise RuntimeError(
+            "the stacks' gradients are to be gathered, which only the all-tokens mode "
+            "(with gradients) records"
+        )
     else:  # the routed rows of stock's all-token matmuls are these rows
         y = _routed(hidden_states, routing, ranks, stacks, activation, backend)
     # stock: expert_output * top_k_weights[token, slot, None], index_add_ per expert

@@ -213,12 +213,14 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     def _expert_token_mode(self) -> TokenMode:
         """`grouped_expert_tokens` as the grouped experts take it.
 
-        "auto" under data-parallel is "routed": splitting the batch already sums the
-        experts' gradients in another order than stock, so all-tokens mode would cost
-        experts/top_k times the expert FLOPs for no agreement with stock (Qwen3-30B-A3B
-        shape, 2 H200s: 17.6 -> 13.7 s a layer, same integer agreement with stock).
+        "auto" under data-parallel with `exact_gradients=False` is "routed": splitting
+        the batch then sums the experts' gradients in another order than stock anyway,
+        so all-tokens mode would cost experts/top_k times the expert FLOPs for no
+        agreement with stock (Qwen3-30B-A3B shape, 2 H200s: 17.6 -> 13.7 s a layer,
+        same integer agreement with stock). With exact gradients "auto" stays the
+        memory-based choice, since all tokens then give stock's sums.
         """
-        if self.grouped_expert_tokens == "auto" and self._pool is not None:
+        if self.grouped_expert_tokens == "auto" and self._pool is not None and not self.exact_gradients:
             return False
         return _EXPERT_TOKENS[self.grouped_expert_tokens]
 
@@ -294,6 +296,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                             block, name,
                             all_tokens=modifier._expert_token_mode(),
                             qdq_once=modifier.grouped_qdq_once,
+                            exact=modifier.exact_gradients,
                         ))
                         if modifier.grouped_experts
                         else None

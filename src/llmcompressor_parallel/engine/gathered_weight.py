@@ -1,0 +1,116 @@
+"""A weight's gradient computed once over the whole batch, from every part's rows.
+
+Split over replicas, each part's gradient of a weight used in a matmul is a sum over
+its own rows, and adding the partials sums the same terms in another order than the
+one matmul over the whole batch that the serial backward runs. SignSGD turns such
+last-bit differences into different rounding decisions within a few iterations
+(bench/demo_int_agreement.py). A `GatheredWeight` instead:
+- gives the weight's home an empty token that every part's output depends on, so
+  that its backward runs once all parts' gradients have arrived;
+- has each part (running the matmul on a detached copy of the weight, so autograd
+  computes only its input gradient, row for row the serial one) record its input and
+  tap its output gradient;
+- computes the weight gradient on the home from the rows gathered in batch order with
+  the very matmul the serial backward runs (autocast off: the rows already have the
+  dtype the forward computed in), and returns it in the weight's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["GatheredWeight", "Layout"]
+
+# "linear": input [..., in] -> output [..., out] = input @ weight^T (weight [out, in]);
+# "bmm": input [E, rows, in] -> output [E, rows, out] = input.bmm(weight) (weight
+# [E, in, out]); "bmm_shared": the same with every batch entry's input one [rows, in]
+# tensor expanded to E, recorded once
+Layout = Literal["linear", "bmm", "bmm_shared"]
+
+
+class _Rows:
+    """One call's inputs and output gradients of one weight, one entry per part."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        self.inputs: list[torch.Tensor | None] = [None] * len(devices)
+        self.grads: list[torch.Tensor | None] = [None] * len(devices)
+
+
+def _weight_gradient(layout: Layout, inputs: list[torch.Tensor], grads: list[torch.Tensor],
+                     batch: int) -> torch.Tensor:
+    """The serial backward's weight gradient over the concatenated rows."""
+    if layout == "linear":  # Linear's backward: grad_output^T @ input over all tokens
+        x = torch.cat(inputs).flatten(0, -2)
+        return torch.cat(grads).flatten(0, -2).t().mm(x)
+    dy = torch.cat(grads, dim=1)
+    if layout == "bmm_shared":
+        x = torch.cat(inputs).unsqueeze(0).expand(batch, -1, -1)
+    else:
+        x = torch.cat(inputs, dim=1)
+    return x.transpose(1, 2).bmm(dy)  # bmm's backward for its second operand
+
+
+class _WeightGrad(torch.autograd.Function):
+    """Forward: an empty token on the weight's device. Backward: the weight gradient
+    from every part's rows (raises, naming the devices, if a part never reported)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, rows: _Rows, name: str, layout: Layout):
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.name, ctx.layout = rows, name, layout
+        ctx.dtype, ctx.home = weight.dtype, weight.device
+        ctx.batch = weight.shape[0]
+        return weight.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _unused: torch.Tensor | None) -> tuple:
+        rows, ctx.rows = ctx.rows, None
+        missing = [str(rows.devices[p]) for p, grad in enumerate(rows.grads) if grad is None]
+        if missing:
+            raise RuntimeError(
+                f"{ctx.name}: no output gradient from the part(s) on {', '.join(missing)}; "
+                "every part's output must reach the loss"
+            )
+        inputs = [x.to(ctx.home) for x in rows.inputs]
+        grads = [g.to(ctx.home) for g in rows.grads]
+        with torch.autocast(ctx.home.type, enabled=False):
+            gradient = _weight_gradient(ctx.layout, inputs, grads, ctx.batch)
+        return gradient.to(ctx.dtype), None, None, None
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a part's output; backward keeps its gradient for `_WeightGrad`."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor, rows: _Rows, part: int):
+        ctx.rows, ctx.part = rows, part
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.rows.grads[ctx.part] = grad
+        return grad, None, None, None
+
+
+class GatheredWeight:
+    """One call's gathered gradient of `weight` (on its home device, with grad).
+
+    :param weight: the tensor whose gradient is gathered, as the serial matmul uses it
+    :param devices: the parts' devices, in batch order
+    :param name: how the weight is called in errors
+    :param layout: how the parts use it (see `Layout`)
+    """
+
+    def __init__(self, weight: torch.Tensor, devices: list[torch.device], name: str,
+                 layout: Layout = "linear") -> None:
+        self.rows = _Rows(devices)
+        self.token = _WeightGrad.apply(weight, self.rows, name, layout)
+
+    def record(self, part: int, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """Part `part` computed `output` from `input` (in the dtype the matmul ran in)
+        and a detached copy of the weight: keep the input, tap the output's gradient."""
+        self.rows.inputs[part] = input.detach()
+        return _Tap.apply(output, self.token, self.rows, part)
