@@ -1,7 +1,9 @@
-"""Why data-parallel AutoRound does not reproduce stock's integers, measured on the demo model.
+"""Why data-parallel AutoRound with per-replica gradient sums does not reproduce stock's
+integers, measured on the demo model.
 
 Stock `AutoRoundModifier` and ours with 2 and 3 CPU replicas (per-expert loop, so only
-the batch split differs), same data and seed, with auto-round's mixed precision on
+the batch split differs; `exact_gradients=False`: each replica sums its own rows' weight
+gradients, the mode that `exact_gradients=True`, the default, replaces), same data and seed, with auto-round's mixed precision on
 (bf16, its default) and off (fp32 throughout). Prints the share of identical quantized
 integers per iteration count, and, for one run, how the signs of the tuning gradients
 agree step by step (the first few parameters of each layer): the split changes only
@@ -80,7 +82,7 @@ def main() -> None:
                     our_steps: list = []
                     recipe = DataParallelAutoRoundModifier(
                         iters=iters, data_parallel=["cpu"] * replicas, grouped_experts=False,
-                        **AUTOROUND_ARGS,
+                        exact_gradients=False, **AUTOROUND_ARGS,
                     )
                     ours = run(recipe, f"ours-{amp_on}-{iters}-{replicas}",
                                our_steps if traced and replicas == args.replicas[0] else None)

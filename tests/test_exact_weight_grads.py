@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
+from llmcompressor_parallel.engine import grouped_autoround
 from llmcompressor_parallel.engine.exact_weight_grads import ExactWeightGradients
 from llmcompressor_parallel.engine.gathered_weight import GatheredWeight
 from oneshot_runs import log_lines
@@ -58,6 +59,21 @@ def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch)
     print(f"\ngrouped, {parts} parts, amp={amp}: share of bit-identical gradients {shares}")
     assert ours[3].shipped_calls == 1 and ours[3].stock_calls == 0
     assert torch.equal(stock[0], ours[0])
+    assert shares == {name: 1.0 for name in (*PARAMS, "input")}
+
+
+def test_experts_that_fall_back_to_the_per_expert_loop_are_gathered_too(monkeypatch):
+    """Grouped experts refused (here by a patched check): the replicas run stock's loop
+    with the experts' wrapped Linears, whose gradients the dense path then gathers."""
+    monkeypatch.setattr(grouped_autoround, "wrapped_unsupported_reason", lambda *a, **k: "refused")
+    block = wrapped_block(dtype=torch.bfloat16)
+    x = inputs(batch=4)
+    stock = run(block, x)
+    with DeviceWorkerPool([torch.device("cpu")] * 2) as pool:
+        ours = run(block, x, pool=pool, grouped=dict(all_tokens="auto", exact=True), exact=True)
+    shares = _identical_share(stock[1], ours[1])
+    print(f"\ngrouped experts refused, 2 parts: share of bit-identical gradients {shares}")
+    assert ours[3].shipped_calls == 0 and ours[3].grouped_calls == 0
     assert shares == {name: 1.0 for name in (*PARAMS, "input")}
 
 

@@ -44,6 +44,7 @@ from llmcompressor_parallel import DataParallelAutoRoundModifier
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
 from llmcompressor_parallel.engine import expert_tokens
 from llmcompressor_parallel.engine import grouped_autoround_forward as grouped_forward_module
+from llmcompressor_parallel.engine.exact_weight_grads import ExactWeightGradients
 from llmcompressor_parallel.engine.grouped_autoround_forward import ExpertStacks, experts_forward
 from llmcompressor_parallel.engine.grouped_autoround import (
     GroupedAutoRoundExperts,
@@ -135,11 +136,13 @@ def inputs(batch: int = 2, seq: int = 24) -> torch.Tensor:
 
 # ------------------------------------------------------------------ running both ways
 def run(block, x, *, grouped=None, all_experts=True, amp=True, grad=True, pool=None,
-        fan_outs=None):
+        fan_outs=None, exact=False):
     """One call (+ backward of a fixed random probe) from the block's starting parameters.
 
     :param grouped: None for the stock loop, else GroupedAutoRoundExperts keyword args
     :param fan_outs: a list that receives the `FanOut` (with `pool`), to read its counts
+    :param exact: with `pool`, wrapped Linears' weight gradients gathered on the home
+        (ExactWeightGradients, as the modifier's default)
     :returns: (output, {param: [grads]}, {param: [values after the call]}, context)
     """
     with torch.no_grad():
@@ -156,6 +159,9 @@ def run(block, x, *, grouped=None, all_experts=True, amp=True, grad=True, pool=N
             fan_out = stack.enter_context(FanOut(block, pool, "block"))
             if fan_outs is not None:
                 fan_outs.append(fan_out)
+        if exact:  # as the modifier: after the grouped experts, leaving them their stacks
+            leave_to = context.grouped_modules if context is not None else tuple
+            stack.enter_context(ExactWeightGradients(block, "block", leave_to))
         if all_experts:  # oneshot's default moe_calibrate_all_experts=True
             stack.enter_context(moe_calibration_context())
         if amp:  # auto-round's block_forward: autocast bf16, on CPU too

@@ -129,17 +129,24 @@ class ExactWeightGradients:
     """Context manager: fanned-out tuning calls of `layer` gather every supported wrapped
     Linear's weight gradient on the home (see the module docstring).
 
-    :param leave_to: modules whose wrapped Linears are someone else's (the experts
-        modules that run grouped ship their own qdq)
+    :param leave_to: called at each call's preparation (after the other participants'):
+        the modules whose wrapped Linears are someone else's this call (experts modules
+        that run grouped; those that fall back to stock's per-expert loop are covered
+        here)
 
     Any other wrapped Linear that cannot be handled keeps per-replica sums, with a log
     line naming it and why.
     """
 
-    def __init__(self, layer: nn.Module, name: str = "", leave_to: Sequence[nn.Module] = ()) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        name: str = "",
+        leave_to: Callable[[], Sequence[nn.Module]] = tuple,
+    ) -> None:
         self.layer = layer
         self.name = name or type(layer).__name__
-        self.leave_to = list(leave_to)
+        self.leave_to = leave_to
         self.exact_calls = 0
         self._sites: list[_Site] = []
         self._key: tuple | None = None
@@ -214,11 +221,12 @@ class ExactWeightGradients:
 
     # ------------------------------------------------------------ which Linears
     def _sites_for(self, replicas: ReplicaSet, parts: int) -> list[_Site]:
-        key = (replicas.rebuilds, parts)
+        left = self.leave_to()
+        key = (replicas.rebuilds, parts, frozenset(map(id, left)))
         if key == self._key:
             return self._sites
         sites = []
-        for module_name, module in self._wrappers():
+        for module_name, module in self._wrappers(left):
             name = f"{self.name}.{module_name}"
             if not _tuned(module):
                 continue
@@ -233,8 +241,8 @@ class ExactWeightGradients:
         self._sites, self._key = sites, key
         return sites
 
-    def _wrappers(self) -> list[tuple[str, WrapperLinear]]:
-        left = {id(m) for owner in self.leave_to for m in owner.modules()}
+    def _wrappers(self, leave_to: Sequence[nn.Module]) -> list[tuple[str, WrapperLinear]]:
+        left = {id(m) for owner in leave_to for m in owner.modules()}
         return [
             (name, module)
             for name, module in self.layer.named_modules()

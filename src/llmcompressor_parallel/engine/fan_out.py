@@ -52,7 +52,8 @@ class FanOutParticipant(Protocol):
     `prepare_fan_out(replicas, parts, primary)` runs in the caller's thread after the
     replicas are synced and before any copy or worker (`primary`: the call's batched
     first input, whole): it may raise `NotReplicable` (the call then runs serially) or
-    return None (nothing to do).
+    return None (nothing to do). Participants registered on one module are prepared in
+    the order they registered.
     """
 
     def prepare_fan_out(

@@ -444,10 +444,18 @@ class GroupedAutoRoundExperts:
             register_participant(self.layer, self)
         return self
 
-    @property
-    def experts_modules(self) -> list[LinearExperts2D]:
-        """The experts modules that run grouped while this context is active."""
-        return [site.home for site in self._sites]
+    def grouped_modules(self) -> list[LinearExperts2D]:
+        """The experts modules that run grouped in the call being prepared (their qdq is
+        shipped, or the home's plan can run grouped): their wrapped Linears are this
+        context's; those of experts that take stock's per-expert loop are not."""
+        modules = []
+        for site in self._sites:
+            if site.shipped is None:
+                plan = site.plan_for(site.home)
+                if plan.runner is None or _module_reason(plan, plan.runner.device.type):
+                    continue
+            modules.append(site.home)
+        return modules
 
     def __exit__(self, *exc_info: object) -> None:
         unregister_participant(self.layer, self)

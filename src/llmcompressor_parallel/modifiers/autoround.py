@@ -118,7 +118,10 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         matmuls then run in parallel too, and the integers differ from stock's in
         about a quarter of places after tens of iterations (SignSGD amplifies the
         different summation order; quality within stock's seed noise band,
-        docs/quality.md). Experts that run grouped keep their own path either way.
+        docs/quality.md). Experts that run grouped gather their stacks' gradients the
+        same way when tuned on all tokens with `grouped_qdq_once` (with
+        `grouped_expert_tokens="auto"` the tokens are then chosen by memory, not
+        "routed"); on routed tokens or without qdq once they keep per-replica sums.
     """
 
     parallel_batch: ParallelBatch = "split"
@@ -307,7 +310,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                         else None
                     )
                     if pool is not None and modifier.exact_gradients:
-                        leave_to = grouped.experts_modules if grouped is not None else ()
+                        # registered after the grouped experts: prepared after them
+                        leave_to = grouped.grouped_modules if grouped is not None else tuple
                         stack.enter_context(ExactWeightGradients(block, name, leave_to))
                     result = quantize_block(block, *q_args, **q_kwargs)
                 _log_layer_summary(name, fan_out, grouped, pool)
