@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
