@@ -302,10 +302,15 @@ class _Site:
         """all_tokens="auto", at the first call that would run all tokens: decide by memory."""
         if not (torch.is_grad_enabled() and get_calibrate_all_experts_flag()):
             return  # no-grad passes and routed mode run routed tokens anyway
+        self.decide_tokens(plan, hidden_states.shape[0], _compute_dtype(hidden_states).itemsize)
+
+    def decide_tokens(self, plan: _Plan, tokens: int, itemsize: int) -> None:
+        """Set `plan`'s runner to all tokens where their estimated transients for `tokens`
+        tokens fit its device's free memory, else to routed tokens with a log line."""
         runner = plan.runner
         needed = all_tokens_bytes(
-            runner.num_experts, hidden_states.shape[0], runner.hidden_size,
-            runner.intermediate_size, runner.has_gate, _compute_dtype(hidden_states).itemsize,
+            runner.num_experts, tokens, runner.hidden_size, runner.intermediate_size,
+            runner.has_gate, itemsize,
         )
         runner.all_tokens, why = choose_all_tokens(needed, runner.device)
         plan.tokens_decided = True
@@ -516,20 +521,20 @@ class GroupedAutoRoundExperts:
                 gate_up, down = runner.qdq_rows()
                 exact = self._gathers_exactly(site, runner, plans, primary)
                 recorders = self._recorders(site, runner, gate_up, down, replicas, parts) if exact else None
+                # gathered exactly: the parts get detached rows, the home computes the
+                # stacks' gradients; else differentiable copies, summed on the home
+                source = (gate_up, down) if recorders is None else (gate_up.detach(), down.detach())
                 shipped = {}
                 for part, module in enumerate(modules):
                     recorder = None if recorders is None else recorders[part]
                     if module is site.home:
-                        rows = (gate_up, down) if recorders is None else (gate_up.detach(), down.detach())
-                    else:  # one copy per stack (differentiable unless gathered exactly)
+                        rows = source
+                    else:
                         # cast before the copy: half the bytes both ways, same values (the
                         # replica would cast to this dtype first thing), and the gradient
                         # still turns fp32 on the home before the partials are added
                         replica = plans[module].runner
-                        rows = tuple(
-                            (r if recorders is None else r.detach()).to(replica.dtype).to(replica.device)
-                            for r in (gate_up, down)
-                        )
+                        rows = tuple(r.to(replica.dtype).to(replica.device) for r in source)
                     shipped[module] = _ShippedRows(*rows, recorder)
                 site.shipped = shipped
                 shipment.sites.append(site)
@@ -556,14 +561,7 @@ class GroupedAutoRoundExperts:
         home_plan = site.plan_for(site.home)
         if self.all_tokens == "auto" and not home_plan.tokens_decided:
             tokens = primary.shape[0] * (primary.shape[1] if primary.dim() == 3 else 1)
-            needed = all_tokens_bytes(
-                runner.num_experts, tokens, runner.hidden_size, runner.intermediate_size,
-                runner.has_gate, _compute_dtype(primary).itemsize,
-            )
-            runner.all_tokens, why = choose_all_tokens(needed, runner.device)
-            home_plan.tokens_decided = True
-            if not runner.all_tokens:
-                self._log_once(site.name, f"experts tuned on routed tokens only: {why}")
+            site.decide_tokens(home_plan, tokens, _compute_dtype(primary).itemsize)
         if not runner.all_tokens:
             self._log_once(site.name, "experts' weight gradients summed per replica: they "
                                       "are tuned on routed tokens")

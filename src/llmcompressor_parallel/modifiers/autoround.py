@@ -97,10 +97,11 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         hidden, e.g. 2 x 8.6 GB input gradients at the Qwen3-30B-A3B shape and 16K
         tokens a call). "routed": the tokens routed to it (the same math up to
         floating-point order, top_k/experts of the FLOPs and memory). "auto"
-        (default): "routed" when data-parallel (the split batch already sums
-        gradients in another order than stock); serially "all" where its estimated
-        transients fit the device's free memory at the layer's first tuning call,
-        else "routed" with a log line.
+        (default): "routed" when data-parallel with `exact_gradients=False` (the split
+        batch then sums gradients in another order than stock anyway); otherwise "all"
+        where its estimated transients fit the device's free memory (serially at the
+        layer's first tuning call; with exact gradients before it, for the whole
+        batch), else "routed" with a log line.
     :param grouped_qdq_once: with grouped experts and data-parallel replicas: in each
         fanned-out tuning call the layer's device fake-quantizes the experts' weights
         once and sends the two quantized stacks to the replicas (one differentiable
