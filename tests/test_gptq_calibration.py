@@ -15,6 +15,7 @@ Calibration samples are not shuffled (stock shuffles with the global RNG).
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -185,10 +186,12 @@ def test_one_batch_per_device_is_bit_identical(
     Without error propagation the calibration pass's outputs feed the next layer.
     """
     expected = stock(model_dirs, tmp_path_factory, kind, batch_size, propagate)
-    with log_lines() as lines:
+    with log_lines("DEBUG") as lines:
         actual = parallel(model_dirs, tmp_path, kind, devices, batch_size, propagate=propagate)
     summary = "calibration 2 of 3 subgraphs" + ("; propagation 2 of 3" if propagate else "")
     assert any(summary in line for line in lines)
+    shared = [int(m) for m in re.findall(r"\((\d+) input products shared\)", "\n".join(lines))]
+    assert shared and min(shared) >= 2 * devices  # k and v reuse q's product (dense: up too)
     assert actual.order == expected.order
     assert all(torch.equal(expected.hessians[n][0], actual.hessians[n][0]) for n in expected.order)
     assert_bit_identical(expected, actual)
@@ -452,6 +455,41 @@ def test_partials_merge_into_stock_statistics(parts, batches):
     if batches == parts:
         assert gap == 0.0
     assert gap <= MAX_FIRST_LAYER_HESSIAN_GAP
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 32), (16, 32), (2, 4, 4, 32)], ids=["3d", "2d", "4d"])
+def test_modules_fed_one_tensor_share_its_product(shape):
+    """q/k/v-like modules called on the very same tensor reuse one product per part:
+    stock's bits per module; an in-place change of the tensor, or another tensor, is
+    computed afresh."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = [nn.Linear(32, 8) for _ in range(3)]
+    gate_up = [nn.Linear(32, 16) for _ in range(2)]
+    partials = HessianPartials(1)
+    stock_h, stock_n = {}, {}
+
+    def call(module: nn.Module, inputs: torch.Tensor) -> None:  # both hooks, at call time
+        partials.hook(0, module)(module, (inputs,), None)
+        if module not in stock_h:
+            stock_h[module], stock_n[module] = make_empty_hessian(module), torch.zeros(())
+        stock_h[module], stock_n[module] = accumulate_hessian(
+            inputs, module, stock_h[module], stock_n[module]
+        )
+
+    for _batch in range(2):
+        attn_in = torch.randn(shape, generator=generator)
+        for module in qkv:
+            call(module, attn_in)
+        mlp_in = torch.randn(shape, generator=generator)
+        call(gate_up[0], mlp_in)
+        mlp_in.mul_(3.0)  # in place: the next module must not reuse the old product
+        call(gate_up[1], mlp_in)
+    hessians, counts = {}, {}
+    partials.merge_into(hessians, counts)
+    assert partials.shared_products == [4]  # k and v of each batch
+    assert list(hessians) == list(stock_h)
+    assert all(torch.equal(hessians[m], stock_h[m]) for m in stock_h)
+    assert all(torch.equal(counts[m], stock_n[m]) for m in stock_h)
 
 
 def test_onloaded_modules_get_their_caches_back():

@@ -28,7 +28,9 @@ from llmcompressor.modifiers.autoround import AutoRoundModifier
 from llmcompressor_parallel.engine import DeviceWorkerPool, FanOut
 from llmcompressor_parallel.engine.expert_tokens import TokenMode
 from llmcompressor_parallel.engine.exact_weight_grads import ExactWeightGradients
+from llmcompressor_parallel.engine.foreach_sign_sgd import use_foreach_sign_sgd
 from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
+from llmcompressor_parallel.engine.gc_scope import young_objects_gc
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.modifiers.autoround_capture import GroupedCapture
 from llmcompressor_parallel.modifiers.data_parallel_options import (
@@ -233,6 +235,11 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         return self._pool is not None or self.grouped_experts
 
     def apply_autoround(self, state: State, modules: list[nn.Module]):
+        # auto-round runs ~6 full garbage collections a layer (gc_scope.py)
+        with young_objects_gc():
+            return self._apply_autoround(state, modules)
+
+    def _apply_autoround(self, state: State, modules: list[nn.Module]):
         if not self._wraps_quantize_block() and not self._keeps_cache_on_gpu():
             return super().apply_autoround(state, modules)
         layers = [m for m in (modules or []) if self._is_decoding_layer(m)]
@@ -269,7 +276,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     def _adapted_autoround(self) -> Iterator[None]:
         """Within the stock `apply_autoround`, adapt the `AutoRound` it builds.
 
-        Sets the cache placement, and fans out each `quantize_block` call: the stock
+        Sets the cache placement, hands auto-round's quantizer the multi-tensor
+        SignSGD step (foreach_sign_sgd.py), and fans out each `quantize_block` call: the stock
         method builds its `AutoRound` and suspends compressed-tensors' offloading
         (which resets instance forwards) before calling quantize_block, so the
         fan-out is installed around that call (DESIGN.md trap 1).
@@ -281,7 +289,15 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             if modifier._keeps_cache_on_gpu(kwargs.get("model")):
                 kwargs["low_gpu_mem_usage"] = False
             if not modifier._wraps_quantize_block():
-                return real_factory(*args, **kwargs)
+                autoround = real_factory(*args, **kwargs)
+                quantize_block = autoround.quantize_block
+
+                def quantize_block_foreach(*q_args: Any, **q_kwargs: Any):
+                    use_foreach_sign_sgd(autoround)
+                    return quantize_block(*q_args, **q_kwargs)
+
+                autoround.quantize_block = quantize_block_foreach
+                return autoround
             pool = modifier._pool
             compile_replicas = pool is not None and bool(kwargs.get("enable_torch_compile"))
             if pool is not None:
@@ -293,6 +309,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
 
             def fanned_quantize_block(block: nn.Module, *q_args: Any, **q_kwargs: Any):
                 name = getattr(block, "_tmp_name", type(block).__name__)
+                use_foreach_sign_sgd(autoround)
                 with contextlib.ExitStack() as stack:
                     # grouped experts first, so that replicas copy the grouped forward
                     grouped = (

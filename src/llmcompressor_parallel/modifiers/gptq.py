@@ -244,7 +244,10 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         offset = len(self._hessians)
         if merge and partials is not None:
             merged = partials.merge_into(self._hessians, self._num_samples)
-            logger.debug("merged {} replicas' Hessians of {} modules", partials.parts, merged)
+            logger.debug(
+                "merged {} replicas' Hessians of {} modules ({} input products shared)",
+                partials.parts, merged, sum(partials.shared_products),
+            )
         if self._grouped is not None:
             self._grouped.merge_parallel(merge, offset)
 

@@ -19,18 +19,61 @@ batches (replica 0 the first ones), so:
 - counts are small integers held in fp32: their sum is exact;
 - modules enter the modifier's dicts in stock's order (first call in batch order),
   which fixes how stock's `assign_batches` groups them for the update.
+
+Modules fed the very same input tensor (q/k/v of an attention, gate/up of an MLP)
+share one product per call: stock computes `(sqrt(2) x)(sqrt(2) x)^T` once per module,
+the same fp32 matmul on the same values, so computing it once and adding it to each
+module's sum gives each module stock's bits (`_linear_product` mirrors
+`accumulate_hessian` for Linear inputs; a test holds them equal). At the Llama-3-8B
+shape that is 4 fp32 products per batch instead of 7.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from compressed_tensors.utils import get_execution_device
-from llmcompressor.modifiers.gptq.helpers import accumulate_hessian, make_empty_hessian
+from llmcompressor.modifiers.gptq.helpers import (
+    GPTQ_PRECISION,
+    accumulate_hessian,
+    make_empty_hessian,
+)
 from torch import nn
 
-__all__ = ["HessianPartials"]
+__all__ = ["HessianPartials", "linear_product"]
+
+
+def linear_product(inp: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """What `accumulate_hessian` adds for a Linear's input: (product, samples)."""
+    inp = inp.to(device=device)
+    if inp.dim() == 2:
+        inp = inp.unsqueeze(0)
+    elif inp.dim() > 3:
+        inp = inp.reshape(inp.shape[0], -1, inp.shape[-1])
+    samples = inp.shape[0]
+    inp = inp.reshape((-1, inp.shape[-1])).t()
+    inp = math.sqrt(2) * inp.to(dtype=GPTQ_PRECISION)
+    return inp.matmul(inp.t()), samples
+
+
+@dataclass
+class _Product:
+    """A part's latest Linear-input product, reused while the same tensor comes in."""
+
+    source: torch.Tensor
+    version: int
+    product: torch.Tensor
+    samples: int
+
+    def serves(self, inp: torch.Tensor, device: torch.device) -> bool:
+        return (
+            self.source is inp
+            and self.source._version == self.version
+            and self.product.device == device
+        )
 
 
 class HessianPartials:
@@ -39,6 +82,8 @@ class HessianPartials:
     def __init__(self, parts: int):
         self._sums: list[dict[nn.Module, torch.Tensor]] = [{} for _ in range(parts)]
         self._counts: list[dict[nn.Module, torch.Tensor]] = [{} for _ in range(parts)]
+        self._latest: list[_Product | None] = [None] * parts
+        self.shared_products = [0] * parts  # products reused, per part
 
     @property
     def parts(self) -> int:
@@ -64,9 +109,27 @@ class HessianPartials:
             if home not in sums:
                 sums[home] = make_empty_hessian(module)
                 counts[home] = torch.zeros((), device=sums[home].device)
-            sums[home], counts[home] = accumulate_hessian(args[0], module, sums[home], counts[home])
+            if not isinstance(module, nn.Linear):  # stock's code for every other kind
+                sums[home], counts[home] = accumulate_hessian(
+                    args[0], module, sums[home], counts[home]
+                )
+                return
+            latest = self._product(part, args[0], sums[home].device)
+            counts[home] += latest.samples
+            sums[home] += latest.product
 
         return accumulate
+
+    def _product(self, part: int, inp: torch.Tensor, device: torch.device) -> _Product:
+        """The product for `inp` on `device`: the part's latest one if it serves."""
+        latest = self._latest[part]
+        if latest is not None and latest.serves(inp, device):
+            self.shared_products[part] += 1
+            return latest
+        self._latest[part] = None  # free the old product before computing the new one
+        product, samples = linear_product(inp, device)
+        self._latest[part] = _Product(inp, inp._version, product, samples)
+        return self._latest[part]
 
     def merge_into(
         self,
@@ -80,6 +143,7 @@ class HessianPartials:
         1's not yet seen, ...), which is the batch order stock sees them in.
         Returns how many modules were merged.
         """
+        self._latest = [None] * self.parts
         merged = 0
         for module in self._first_seen_order():
             device = torch.device(get_execution_device(module))
