@@ -6,9 +6,13 @@ copies, Hessian merge, release); every timed piece synchronises its device, so t
 sum runs slower than the bench: read it for proportions.
 `autoround-profile`: torch.profiler over one layer's `quantize_block` (ours), top ops
 by GPU time and by host time, and the wall time to compare the GPUs' busy time with.
+`autoround-host`: cProfile over the last layer's whole per-layer work (ours:
+`on_sequential_epoch_end`, from auto-round's set-up to llm-compressor's write-back),
+the Python functions by cumulative time; the stats file goes to --out for pstats.
 
     python bench/probe.py gptq-pass --shape llama3-8b --gpus 2
     python bench/probe.py autoround-profile --shape qwen3-30b-a3b --gpus 1 --iters 10
+    python bench/probe.py autoround-host --shape qwen3-30b-a3b --gpus 1 --iters 50 --out bench/out
 """
 
 from __future__ import annotations
@@ -142,20 +146,64 @@ def autoround_profile(args: argparse.Namespace, work: Path) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
+def autoround_host(args: argparse.Namespace, work: Path, out: Path) -> None:
+    import cProfile
+    import pstats
+
+    model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
+    recipe = DataParallelAutoRoundModifier(
+        data_parallel=_devices(args.gpus) if args.gpus > 1 else "off", iters=args.iters, batch_size=8,
+        enable_torch_compile=False, grouped_expert_tokens=args.expert_tokens,
+        exact_gradients=args.exact == "on", **COMMON,
+    )
+    profiler, state = cProfile.Profile(), {"calls": 0}
+
+    def epoch_end(real: Callable) -> Callable:  # the third subgraph: the second decoder layer
+        def profiled(self, *call_args, **call_kwargs):
+            state["calls"] += 1
+            if state["calls"] != 3:
+                return real(self, *call_args, **call_kwargs)
+            sync_gpus()
+            start = time.perf_counter()
+            profiler.enable()
+            try:
+                return real(self, *call_args, **call_kwargs)
+            finally:
+                sync_gpus()
+                profiler.disable()
+                state["wall"] = time.perf_counter() - start
+
+        return profiled
+
+    with patched(DataParallelAutoRoundModifier, "on_sequential_epoch_end", epoch_end):
+        oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
+                recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len)
+    path = out / f"autoround-host-{args.shape}-{args.gpus}gpu.prof"
+    profiler.dump_stats(str(path))
+    print(f"last layer's on_sequential_epoch_end: {state['wall']:.2f} s wall on {args.gpus} GPU(s), "
+          f"iters {args.iters}; stats in {path}")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("probe", choices=["gptq-pass", "autoround-profile"])
+    parser.add_argument("probe", choices=["gptq-pass", "autoround-profile", "autoround-host"])
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--expert-tokens", default="auto", choices=["auto", "all", "routed"])
+    parser.add_argument("--exact", default="on", choices=["on", "off"], help="exact_gradients (autoround-host)")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--out", default="bench/out")
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
-    _out, work = bench_folders("bench/out", args.work, prefix="llmc-probe-")
-    {"gptq-pass": gptq_pass, "autoround-profile": autoround_profile}[args.probe](args, work)
+    out, work = bench_folders(args.out, args.work, prefix="llmc-probe-")
+    if args.probe == "autoround-host":
+        autoround_host(args, work, out)
+    else:
+        {"gptq-pass": gptq_pass, "autoround-profile": autoround_profile}[args.probe](args, work)
 
 
 if __name__ == "__main__":
