@@ -374,3 +374,21 @@ def test_stock_gptq_on_grouped_experts_writes_stock_checkpoint(tmp_path, all_exp
     # bit-identical here (CPU, fp32); Hessians are equal to fp32 rounding, not bits,
     # so only a rare tie in rounding may flip an int
     assert same / total >= 0.999
+
+
+def test_route_counts_and_order_match_stock_visits():
+    """Counts as bincount gives them (experts without tokens included); each expert's
+    segment holds stock's (slot-major, then token) pairs."""
+    from llmcompressor_parallel.engine.grouped_ops import route
+
+    generator = torch.Generator().manual_seed(0)
+    experts, tokens, top_k = 8, 13, 2
+    top_k_index = torch.stack([torch.randperm(experts - 2, generator=generator)[:top_k] for _ in range(tokens)])
+    routing = route(top_k_index, experts)
+    assert torch.equal(routing.counts, torch.bincount(top_k_index.reshape(-1), minlength=experts))
+    assert routing.counts[-2:].tolist() == [0, 0]
+    for expert in range(experts):
+        slots, token_ids = torch.where(top_k_index.t() == expert)
+        segment = routing.expert == expert
+        assert torch.equal(routing.token[segment], token_ids)
+        assert torch.equal(routing.slot[segment], slots)

@@ -73,7 +73,10 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     num_tokens = top_k_index.shape[0]
     flat = top_k_index.t().reshape(-1)  # pair id = slot * T + token
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the indices' min and max back to the host, a sync
+    # in every MoE forward; the same integer counts without it
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.long))
     return Routing(
         token=order % num_tokens,
         slot=order // num_tokens,
