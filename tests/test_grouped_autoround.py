@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 from compressed_tensors.offload.cache.base import OffloadCache
 from compressed_tensors.offload.module import remove_module_offload
 from oneshot_runs import AUTOROUND_ARGS, log_lines
@@ -259,6 +260,122 @@ def test_routed_tokens_only_in_all_experts_mode(precision):
     assert gradient_errors(figures) < (5e-2 if amp else 1e-4)
 
 
+class _PerExpertInput(torch.autograd.Function):
+    """The full all-token path's input: `hidden` cast once, expanded to every expert's
+    projections; backward adds experts descending, last projection first."""
+
+    @staticmethod
+    def forward(ctx, hidden, experts, count, dtype):
+        ctx.dtype = hidden.dtype
+        ctx.set_materialize_grads(False)
+        shared = hidden.to(dtype)
+        return tuple(shared.unsqueeze(0).expand(experts, *hidden.shape) for _ in range(count))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for expert in reversed(range(grads[0].shape[0])):
+            for grad in reversed(grads):
+                if total is None:
+                    total = grad[expert].to(ctx.dtype, copy=True)
+                else:
+                    total.add_(grad[expert])
+        return total, None, None, None
+
+
+def full_all_tokens(hidden, routing, ranks, stacks, activation, backend):
+    """The reference: every expert on every token in `torch.bmm` (stock's per-expert
+    Linears as one batched call; the all-tokens path before routed rows), autograd
+    computing every gradient; the routed rows kept, in `routing`'s order."""
+    assert stacks.recorder is None and stacks.first_bias is None
+    experts, tokens = stacks.down_t.shape[0], hidden.shape[0]
+    dtype = grouped_forward_module._compute_dtype(hidden)
+    inputs = _PerExpertInput.apply(hidden, experts, len(stacks.first), dtype)
+    projected = [torch.bmm(x, w_t) for x, w_t in zip(inputs, stacks.first)]  # [E, T, I]
+    h = activation(torch.cat(projected, dim=-1).reshape(experts * tokens, -1))
+    y = torch.bmm(h.view(experts, tokens, -1), stacks.down_t)
+    return y[routing.expert, routing.token]
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """Counts the FLOPs of `bmm` and `_grouped_mm` (torch's FlopCounterMode registers
+    global module hooks, which send the experts to stock's loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = {"bmm": 0, "grouped_mm": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            batch, rows, inner = args[0].shape
+            self.flops["bmm"] += 2 * batch * rows * inner * args[1].shape[-1]
+        elif func is torch.ops.aten._grouped_mm.default:  # [N, in] by [E, in, out]
+            rows, inner = args[0].shape
+            self.flops["grouped_mm"] += 2 * rows * inner * args[1].shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+def _counted_run(monkeypatch, *args, **kwargs):
+    """`run`, with the matmul FLOPs counted and the call's routings kept."""
+    routings = []
+    real_route = grouped_forward_module.route
+
+    def kept_route(*route_args):
+        routings.append(real_route(*route_args))
+        return routings[-1]
+
+    monkeypatch.setattr(grouped_forward_module, "route", kept_route)
+    with _MatmulFlops() as counter:
+        result = run(*args, **kwargs)
+    monkeypatch.setattr(grouped_forward_module, "route", real_route)
+    return result, counter.flops, routings
+
+
+@pytest.mark.parametrize("backend", ["bmm", "grouped_mm"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_all_tokens_on_routed_rows_are_the_full_all_token_bits(precision, backend, monkeypatch):
+    """The all-tokens path (forward and input gradients on the routed rows, weight
+    gradients over every token) vs every expert on every token in one bmm: the same
+    output and gradients of every tuning parameter and of the input, bit for bit, at
+    a fraction of the FLOPs (counted: the routed matmuls run the padded segments in bmm
+    or the segments in `_grouped_mm`; the weight gradients are the only all-token
+    bmm's)."""
+    dtype, amp = PRECISIONS[precision]
+    block = wrapped_block(top_k=2, dtype=dtype)
+    x = inputs()
+    calls = _all_tokens_calls(monkeypatch)
+    routed, routed_flops, routings = _counted_run(
+        monkeypatch, block, x, grouped={"backend": backend}, amp=amp
+    )
+    assert len(calls) == 1 and len(routings) == 1
+    monkeypatch.setattr(grouped_forward_module, "_all_tokens", full_all_tokens)
+    full, full_flops, _ = _counted_run(monkeypatch, block, x, grouped={"backend": backend}, amp=amp)
+    stock = run(block, x, amp=amp)
+
+    assert torch.equal(routed[0], full[0])
+    for name in (*PARAMS, "input"):
+        assert all(torch.equal(a, b) for a, b in zip(routed[1][name], full[1][name])), name
+    figures = compare(stock, routed)
+    show(f"routed rows vs stock {precision} {backend}", figures)
+    assert figures["output"] == 0 and gradient_errors(figures) == 0
+
+    tokens, pairs = x.shape[0] * x.shape[1], routings[0].token.numel()
+    intermediate = block.experts[0].down_proj.orig_layer.in_features
+    per_row = 3 * 2 * HIDDEN * intermediate  # gate, up, down on one row of one expert
+    longest = routings[0].longest
+    # fp32 weights under bf16 autocast take bmm (grouped_autoround._call_backend)
+    padded = backend == "bmm" or routed_flops["grouped_mm"] == 0
+    print(f"matmul FLOPs: full {full_flops}, routed rows {routed_flops} "
+          f"(longest segment {longest} of {tokens} tokens, {pairs} pairs)")
+    assert full_flops == {"bmm": 3 * per_row * NUM_EXPERTS * tokens, "grouped_mm": 0}
+    weight_grads = per_row * NUM_EXPERTS * tokens  # all-token, stock's reduction
+    assert routed_flops == (
+        {"bmm": weight_grads + 2 * per_row * NUM_EXPERTS * longest, "grouped_mm": 0}
+        if padded else {"bmm": weight_grads, "grouped_mm": 2 * per_row * pairs}
+    )
+    assert longest < tokens
+
+
 def _all_tokens_calls(monkeypatch) -> list[int]:
     """Counts the grouped forward's all-tokens path (every expert on every token)."""
     calls: list[int] = []
@@ -332,7 +449,7 @@ def test_all_tokens_estimate_bounds_the_measured_peak():
     for _, change in records:
         current += change
         peak = max(peak, current)
-    estimate = expert_tokens.all_tokens_bytes(experts, tokens, hidden, intermediate, True, 2)
+    estimate = expert_tokens.all_tokens_bytes(experts, tokens, hidden, intermediate, True, 2, top_k)
     print(f"\nall-tokens call: measured peak {peak / 2**20:.1f} MiB, "
           f"estimate {estimate / 2**20:.1f} MiB")
     assert peak <= estimate < 2 * peak

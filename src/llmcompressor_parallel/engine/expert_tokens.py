@@ -2,12 +2,14 @@
 
 In llm-compressor's all-experts calibration mode (oneshot's default) stock runs
 every expert on every token and keeps the routed rows. The grouped tuning forward
-can do the same (`all_tokens=True`: stock's reduction order, bit-identical on small
-CPU shapes) at the price of [experts, tokens, ...] transients: at the
-Qwen3-30B-A3B shape and 16K tokens a call, each projection's input gradient alone
-is 8.6 GB in bf16. Routed tokens only (`all_tokens=False`) is the same math up to
-floating-point order with top_k/experts of the FLOPs and memory. "auto" picks the
-first where its estimated transient fits the device's free memory.
+reproduces stock's weight-gradient reductions (`all_tokens=True`: bit-identical on
+CPU) by computing each expert stack's weight gradient over every token, its routed
+rows' output gradients among zeros, at the price of [experts, tokens, .] buffers
+in the backward (forward and input gradients run on the routed rows only): at the
+Qwen3-30B-A3B shape and 16K tokens a call, 11.8 GB in bf16 for the down stack.
+Routed tokens only (`all_tokens=False`) is the same math up to floating-point order
+with no such buffers. "auto" picks the first where its estimated peak fits the
+device's free memory.
 """
 
 from __future__ import annotations
@@ -26,20 +28,31 @@ HEADROOM = 1.25
 
 
 def all_tokens_bytes(
-    experts: int, tokens: int, hidden: int, intermediate: int, gated: bool, itemsize: int
+    experts: int,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    gated: bool,
+    itemsize: int,
+    top_k: int,
 ) -> int:
     """Estimated peak memory of one all-tokens tuning call (forward + backward).
 
-    The sum of the call's [experts, tokens, .] tensors: one [E, T, hidden] input
-    gradient per gate/up projection, the [E, T, hidden] output (and its gradient),
-    gate/up activations, their concatenation and gradients ([E, T, intermediate]
-    each). Not all are alive at once, so this errs high: on CPU at E=8, T=8192,
-    hidden 256, intermediate 128, bf16, it says 176 MiB where the call peaks at
-    137 MiB (tests/test_grouped_autoround.py measures it).
+    The down stack's weight-gradient buffers ([E, T, intermediate] inputs and
+    [E, T, hidden] output gradients, the largest of the call), plus what is kept of
+    the routed rows (N = T x top_k) until then: the forward's activations and the
+    rows recorded for the weight gradients ([N, 2 x hidden + (2 x first + 2) x
+    intermediate] in all), plus the stacks' gradients. The padded per-expert rows of
+    the bmm kernel ([E, longest segment, .], at most [E, T, .]) live only in phases
+    where the weight-gradient buffers do not, so this bounds them too. Errs high: on
+    CPU at E=8, T=8192, hidden 256, intermediate 128, top_k 2, bf16, it says 89.5 MiB
+    where the call peaks at 81.9 MiB (tests/test_grouped_autoround.py measures it).
     """
     first = 2 if gated else 1
-    per_token = first * hidden + hidden + (2 * first + 1) * intermediate
-    return experts * tokens * per_token * itemsize
+    weight_gradient_buffers = experts * tokens * (hidden + intermediate)
+    routed_rows = tokens * top_k * (2 * hidden + (2 * first + 2) * intermediate)
+    stack_gradients = (first + 1) * experts * hidden * intermediate
+    return (weight_gradient_buffers + routed_rows + stack_gradients) * itemsize
 
 
 def free_bytes(device: torch.device) -> int | None:

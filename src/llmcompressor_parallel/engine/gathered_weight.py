@@ -13,21 +13,43 @@ last-bit differences into different rounding decisions within a few iterations
 - computes the weight gradient on the home from the rows gathered in batch order with
   the very matmul the serial backward runs (autocast off: the rows already have the
   dtype the forward computed in), and returns it in the weight's dtype.
+
+Stacked expert weights (llm-compressor's all-experts mode) are used on the routed rows
+only, but stock's backward reduces each expert's weight gradient over every token of
+the batch. Parts therefore hand over their routed rows with where they sit
+(`RoutedRows`), and the home rebuilds stock's all-token layout [experts, tokens, .]
+with zeros in the other rows (stock's output gradients are exactly zero there, so
+their terms add nothing) before the same batched matmul.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["GatheredWeight", "Layout"]
+__all__ = ["GatheredWeight", "Layout", "RoutedRows"]
 
 # "linear": input [..., in] -> output [..., out] = input @ weight^T (weight [out, in]);
-# "bmm": input [E, rows, in] -> output [E, rows, out] = input.bmm(weight) (weight
-# [E, in, out]); "bmm_shared": the same with every batch entry's input one [rows, in]
-# tensor expanded to E, recorded once
-Layout = Literal["linear", "bmm", "bmm_shared"]
+# stacked expert weights [E, in, out], used on routed rows: "experts": input [N, in] and
+# output [N, out] routed rows, the gradient that of stock's all-token
+# `input.bmm(weight)` over [E, tokens, .]; "experts_shared": the same with the input one
+# [tokens, in] tensor that every expert sees (expanded to E, as stock's input is)
+Layout = Literal["linear", "experts", "experts_shared"]
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """Where a part's routed rows sit in stock's all-token layout [E, tokens, .]:
+    row i is expert `expert[i]` on the part's token `token[i]`; `tokens` of the part."""
+
+    expert: torch.Tensor
+    token: torch.Tensor
+    tokens: int
+
+    def to(self, device: torch.device) -> "RoutedRows":
+        return RoutedRows(self.expert.to(device), self.token.to(device), self.tokens)
 
 
 class _Rows:
@@ -37,19 +59,31 @@ class _Rows:
         self.devices = devices
         self.inputs: list[torch.Tensor | None] = [None] * len(devices)
         self.grads: list[torch.Tensor | None] = [None] * len(devices)
+        self.places: list[RoutedRows | None] = [None] * len(devices)
+
+
+def _all_token_layout(rows: list[torch.Tensor], places: list[RoutedRows],
+                      experts: int) -> torch.Tensor:
+    """The parts' routed rows among zeros in [E, batch tokens, .], parts in batch order."""
+    out = rows[0].new_zeros(experts, sum(p.tokens for p in places), rows[0].shape[-1])
+    offset = 0
+    for part_rows, place in zip(rows, places):
+        out[place.expert, place.token + offset] = part_rows
+        offset += place.tokens
+    return out
 
 
 def _weight_gradient(layout: Layout, inputs: list[torch.Tensor], grads: list[torch.Tensor],
-                     batch: int) -> torch.Tensor:
+                     places: list[RoutedRows], experts: int) -> torch.Tensor:
     """The serial backward's weight gradient over the concatenated rows."""
     if layout == "linear":  # Linear's backward: grad_output^T @ input over all tokens
         x = torch.cat(inputs).flatten(0, -2)
         return torch.cat(grads).flatten(0, -2).t().mm(x)
-    dy = torch.cat(grads, dim=1)
-    if layout == "bmm_shared":
-        x = torch.cat(inputs).unsqueeze(0).expand(batch, -1, -1)
+    dy = _all_token_layout(grads, places, experts)
+    if layout == "experts_shared":
+        x = torch.cat(inputs).unsqueeze(0).expand(experts, -1, -1)
     else:
-        x = torch.cat(inputs, dim=1)
+        x = _all_token_layout(inputs, places, experts)
     return x.transpose(1, 2).bmm(dy)  # bmm's backward for its second operand
 
 
@@ -62,7 +96,7 @@ class _WeightGrad(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.name, ctx.layout = rows, name, layout
         ctx.dtype, ctx.home = weight.dtype, weight.device
-        ctx.batch = weight.shape[0]
+        ctx.experts = weight.shape[0]
         return weight.new_empty(0)
 
     @staticmethod
@@ -76,8 +110,9 @@ class _WeightGrad(torch.autograd.Function):
             )
         inputs = [x.to(ctx.home) for x in rows.inputs]
         grads = [g.to(ctx.home) for g in rows.grads]
+        places = [None if p is None else p.to(ctx.home) for p in rows.places]
         with torch.autocast(ctx.home.type, enabled=False):
-            gradient = _weight_gradient(ctx.layout, inputs, grads, ctx.batch)
+            gradient = _weight_gradient(ctx.layout, inputs, grads, places, ctx.experts)
         return gradient.to(ctx.dtype), None, None, None
 
 
@@ -109,8 +144,11 @@ class GatheredWeight:
         self.rows = _Rows(devices)
         self.token = _WeightGrad.apply(weight, self.rows, name, layout)
 
-    def record(self, part: int, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    def record(self, part: int, input: torch.Tensor, output: torch.Tensor,
+               place: RoutedRows | None = None) -> torch.Tensor:
         """Part `part` computed `output` from `input` (in the dtype the matmul ran in)
-        and a detached copy of the weight: keep the input, tap the output's gradient."""
+        and a detached copy of the weight: keep the input, tap the output's gradient.
+        `place`: where the rows sit in the "experts" layouts."""
         self.rows.inputs[part] = input.detach()
+        self.rows.places[part] = place
         return _Tap.apply(output, self.token, self.rows, part)

@@ -45,7 +45,6 @@ from llmcompressor_parallel.engine.expert_tokens import (
     choose_all_tokens,
 )
 from llmcompressor_parallel.engine.fan_out import register_participant, unregister_participant
-from llmcompressor_parallel.engine.gathered_weight import GatheredWeight
 from llmcompressor_parallel.engine.grouped_autoround_experts import (
     QuantizedGroupedExperts,
     ShippedGroupedExperts,
@@ -56,7 +55,11 @@ from llmcompressor_parallel.engine.grouped_autoround_experts import (
     wrapped_unsupported_reason,
 )
 from llmcompressor_parallel.engine.grouped_autoround_qdq import TUNING_PARAMS
-from llmcompressor_parallel.engine.grouped_autoround_forward import _compute_dtype
+from llmcompressor_parallel.engine.grouped_autoround_forward import (
+    StackRecorder,
+    _compute_dtype,
+    stack_recorders,
+)
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
 from llmcompressor_parallel.engine.hooks import global_hooks, has_hooks
@@ -280,6 +283,8 @@ class _Site:
         # during a qdq-once fan-out: each running experts module (home, replicas) ->
         # this call's qdq rows on its device; None otherwise
         self.shipped: dict[nn.Module, _ShippedRows] | None = None
+        # experts routed per token at the latest call (the memory estimate's routed rows)
+        self.top_k: int | None = None
 
     def stock_forward(self, experts: nn.Module) -> Callable[..., torch.Tensor]:
         if experts is self.home and self.saved_forward is not _MISSING:
@@ -305,12 +310,15 @@ class _Site:
         self.decide_tokens(plan, hidden_states.shape[0], _compute_dtype(hidden_states).itemsize)
 
     def decide_tokens(self, plan: _Plan, tokens: int, itemsize: int) -> None:
-        """Set `plan`'s runner to all tokens where their estimated transients for `tokens`
-        tokens fit its device's free memory, else to routed tokens with a log line."""
+        """Set `plan`'s runner to all tokens where their estimated peak for `tokens`
+        tokens fits its device's free memory, else to routed tokens with a log line.
+        The routed rows count with the latest call's top_k (every expert if none came
+        yet: an upper bound)."""
         runner = plan.runner
+        top_k = runner.num_experts if self.top_k is None else self.top_k
         needed = all_tokens_bytes(
             runner.num_experts, tokens, runner.hidden_size, runner.intermediate_size,
-            runner.has_gate, itemsize,
+            runner.has_gate, itemsize, top_k,
         )
         runner.all_tokens, why = choose_all_tokens(needed, runner.device)
         plan.tokens_decided = True
@@ -341,6 +349,7 @@ class _Site:
                 f"{self.name}: an experts module the qdq-once fan-out did not prepare was "
                 "called during it; its tuning parameters were not copied"
             )
+        self.top_k = top_k_index.shape[-1]
         plan = self.plan_for(experts, shipped=rows is not None and experts is not self.home)
         reason = plan.reason if plan.runner is None else _call_reason(plan, hidden_states)
         if reason is not None and rows is not None and experts is not self.home:
@@ -386,13 +395,13 @@ class GroupedAutoRoundExperts:
     :param name: how the layer is called in log lines
     :param backend: segment-matmul kernel, "auto", "grouped_mm" or "bmm" (grouped_ops.py)
     :param all_tokens: in llm-compressor's all-experts mode (oneshot's default), when
-        gradients are needed: True runs every wrapped expert on every token as stock
-        does, so that gradients are summed as stock sums them (bit-identical on small
-        CPU shapes), with [experts, tokens, hidden] transients; False routed tokens
-        only, top_k/num_experts of the FLOPs and memory, same math up to
-        floating-point order; "auto" True where the estimated transients fit the
-        device's free memory at each experts module's first such call (expert_tokens.py),
-        else False with a log line
+        gradients are needed: True sums the experts' weight gradients over every
+        token as stock does (bit-identical on CPU; the forward and input gradients
+        run on the routed rows, the weight gradients on [experts, tokens, .]
+        buffers, the routed rows' output gradients among zeros); False over routed
+        tokens only, same math up to floating-point order, no such buffers; "auto"
+        True where the estimated peak fits the device's free memory at each experts
+        module's first such call (expert_tokens.py), else False with a log line
     :param qdq_once: when a `FanOut` of a layer holding these experts splits a call
         over replicas, the home computes the experts' qdq once (both stacks, with the
         home's tuning parameters), each replica receives the two stacks through one
@@ -574,17 +583,10 @@ class GroupedAutoRoundExperts:
     def _recorders(
         site: "_Site", runner: StockOrderGroupedExperts, gate_up: torch.Tensor,
         down: torch.Tensor, replicas: ReplicaSet, parts: int,
-    ) -> list["_PartRecorder"]:
+    ) -> list[StackRecorder]:
         """Each part's recorder over one `GatheredWeight` per stack of the home's stacks."""
         stacks = stacks_from_rows(gate_up, down, runner)
-        devices = replicas.devices[:parts]
-        names = ["gate", "up"] if len(stacks.first) == 2 else ["up"]
-        gathers = [
-            GatheredWeight(w_t, devices, f"{site.name} {name} stack", "bmm_shared")
-            for w_t, name in zip(stacks.first, names)
-        ]
-        gathers.append(GatheredWeight(stacks.down_t, devices, f"{site.name} down stack", "bmm"))
-        return [_PartRecorder(gathers, part) for part in range(parts)]
+        return stack_recorders(stacks, replicas.devices[:parts], site.name)
 
     def _count(self, stock: bool, name: str = "", reason: str = "") -> None:
         with self._lock:
@@ -624,18 +626,7 @@ class _ShippedRows:
 
     gate_up: torch.Tensor
     down: torch.Tensor
-    recorder: "_PartRecorder | None" = None
-
-
-@dataclass
-class _PartRecorder:
-    """Hands part `part`'s rows to the call's gathered stacks (gate, up, down order)."""
-
-    gathers: list[GatheredWeight]
-    part: int
-
-    def record(self, index: int, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        return self.gathers[index].record(self.part, input, output)
+    recorder: StackRecorder | None = None
 
 
 def _bound_forward(site: _Site) -> Callable[..., Any]:

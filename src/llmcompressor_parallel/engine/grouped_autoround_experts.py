@@ -92,8 +92,9 @@ class StockOrderGroupedExperts(GroupedExperts):
     of stock's per-expert loop; the weights it runs come from `stacks()`: here the
     original weights (plain Linears), in `QuantizedGroupedExperts` their qdq.
 
-    :param all_tokens: in llm-compressor's all-experts mode, run every expert on
-        every token when gradients are needed, as stock does; False: routed only
+    :param all_tokens: in llm-compressor's all-experts mode, when gradients are
+        needed, sum the weight gradients over every token, as stock does; False:
+        over routed tokens only
     """
 
     def __init__(

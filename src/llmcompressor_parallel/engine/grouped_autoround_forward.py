@@ -15,30 +15,46 @@ differ between batched and single calls anyway):
 - the gradient reaching the MoE block's input adds the experts' contributions one at
   a time in descending expert order (autograd runs later-created nodes first), in
   the input's dtype;
-- in llm-compressor's all-experts mode, every expert runs on every token as in stock
-  (weight gradients reduce over the same rows) when gradients are needed;
-  `all_tokens=False` runs routed tokens only (same math, top_k/E of the FLOPs).
+- in llm-compressor's all-experts mode with gradients (`all_tokens=True`), stock runs
+  every expert on every token and keeps the routed rows. Here the forward and the
+  input gradients run on those routed rows only (row for row what the all-token
+  matmuls compute: the same row, the same weight, the same reduction), while each
+  stack's weight gradient is stock's all-token reduction: the routed rows' output
+  gradients among zeros in [E, tokens, .] (stock's are exactly zero in the other
+  rows, so those terms add nothing), in the batched matmul autograd runs for
+  `bmm(input, weight)` (gathered_weight.py, also for data-parallel parts).
+  `all_tokens=False` sums the weight gradients over the routed rows only (same math,
+  another floating-point order, top_k/E of the weight-gradient FLOPs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
+from llmcompressor_parallel.engine.gathered_weight import GatheredWeight, RoutedRows
 from llmcompressor_parallel.engine.grouped_ops import Routing, route, segment_matmul
 
-__all__ = ["ExpertStacks", "PartRecorder", "experts_forward", "rank_positions"]
+__all__ = ["ExpertStacks", "StackRecorder", "experts_forward", "rank_positions", "stack_recorders"]
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
-class PartRecorder(Protocol):
-    """A fanned-out part's hand-over of its matmuls' rows (exact gradients): `index`
-    counts the first projections, then down; returns the output to use."""
+@dataclass
+class StackRecorder:
+    """One part's hand-over of its routed matmul rows to the call's `GatheredWeight`s,
+    one per stack (the first projections, then down; None: the stack takes no gradient)."""
 
-    def record(self, index: int, input: torch.Tensor, output: torch.Tensor) -> torch.Tensor: ...
+    gathers: list[GatheredWeight | None]
+    part: int
+
+    def record(self, index: int, input: torch.Tensor, output: torch.Tensor,
+               place: RoutedRows) -> torch.Tensor:
+        """Keep stack `index`'s input, tap its output's gradient; returns the output to use."""
+        gather = self.gathers[index]
+        return output if gather is None else gather.record(self.part, input, output, place)
 
 
 class ExpertStacks:
@@ -54,13 +70,28 @@ class ExpertStacks:
         down_t: torch.Tensor,
         first_bias: Sequence[torch.Tensor] | None = None,
         down_bias: torch.Tensor | None = None,
-        recorder: PartRecorder | None = None,
+        recorder: StackRecorder | None = None,
     ) -> None:
         self.first = list(first)
         self.down_t = down_t
         self.first_bias = None if first_bias is None else list(first_bias)
         self.down_bias = down_bias
         self.recorder = recorder
+
+
+def stack_recorders(
+    stacks: ExpertStacks, devices: list[torch.device], name: str
+) -> list[StackRecorder]:
+    """Each part's recorder over one `GatheredWeight` per stack of `stacks` that takes a
+    gradient (the parts, on `devices` in batch order, run detached copies)."""
+    names = ["gate", "up"] if len(stacks.first) == 2 else ["up"]
+    layouts = ["experts_shared"] * len(names) + ["experts"]
+    weights = [*stacks.first, stacks.down_t]
+    gathers = [
+        GatheredWeight(w_t, devices, f"{name} {stack} stack", layout) if w_t.requires_grad else None
+        for w_t, stack, layout in zip(weights, [*names, "down"], layouts)
+    ]
+    return [StackRecorder(gathers, part) for part in range(len(devices))]
 
 
 def rank_positions(routing: Routing, top_k_index: torch.Tensor) -> torch.Tensor:
@@ -74,55 +105,37 @@ def rank_positions(routing: Routing, top_k_index: torch.Tensor) -> torch.Tensor:
     return position[slots * tokens + torch.arange(tokens, device=slots.device)]
 
 
-class _GatherPairs(torch.autograd.Function):
-    """`hidden[token]` for the routed pairs; backward adds each token's pair gradients
-    one at a time, descending expert, in `hidden`'s dtype, as stock's autograd does."""
+class _PairInputs(torch.autograd.Function):
+    """The routed pairs' rows of `shared` (`hidden`, or its cast to the dtype stock's
+    Linears compute in), one view per projection that differentiates it apart.
 
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, token: torch.Tensor, ranks: torch.Tensor):
-        ctx.save_for_backward(ranks)
-        return hidden.index_select(0, token)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (ranks,) = ctx.saved_tensors
-        total = grad.new_zeros(ranks.shape[1], grad.shape[1])
-        for rank in reversed(range(ranks.shape[0])):
-            total += grad[ranks[rank]]
-        return total, None, None
-
-
-class _PerExpertInput(torch.autograd.Function):
-    """`hidden` as every expert's projections see it (`count` views [E, T, H]).
-
-    Forward casts once to the dtype stock's Linears compute in (the autocast dtype)
-    and expands without copying. Backward adds the per-expert, per-projection
-    gradients in `hidden`'s dtype one at a time, in stock's autograd order: experts
-    descending, within an expert the last projection first.
+    Backward adds each token's per-pair, per-projection gradients in `hidden`'s dtype
+    one at a time, in stock's autograd order: experts descending, within an expert the
+    last projection first. Stock also adds its unrouted experts' gradients, which are
+    exact zeros (their output gradients are), so leaving them out changes no bit.
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, experts: int, count: int, dtype: torch.dtype):
+    def forward(ctx, hidden: torch.Tensor, shared: torch.Tensor, token: torch.Tensor,
+                ranks: torch.Tensor, count: int):
+        ctx.save_for_backward(ranks)
         ctx.dtype = hidden.dtype
         ctx.set_materialize_grads(False)
-        shared = hidden.to(dtype)
-        return tuple(shared.unsqueeze(0).expand(experts, *hidden.shape) for _ in range(count))
+        rows = shared.index_select(0, token)
+        return tuple(rows.view_as(rows) for _ in range(count))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         present = [g for g in grads if g is not None]
         if not present:
-            return None, None, None, None
-        total = None
-        for expert in reversed(range(present[0].shape[0])):
+            return None, None, None, None, None
+        (ranks,) = ctx.saved_tensors
+        total = present[0].new_zeros(ranks.shape[1], present[0].shape[1], dtype=ctx.dtype)
+        for rank in reversed(range(ranks.shape[0])):
             for grad in reversed(grads):
-                if grad is None:
-                    continue
-                if total is None:
-                    total = grad[expert].to(ctx.dtype, copy=True)
-                else:  # in ctx.dtype: the same sum as casting first, without the copy
-                    total.add_(grad[expert])
-        return total, None, None, None
+                if grad is not None:  # in ctx.dtype: the same sum as casting first
+                    total += grad[ranks[rank]]
+        return total, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -142,7 +155,7 @@ def _routed(
     backend: str,
 ) -> torch.Tensor:
     """Each routed pair through its expert: [N, H] rows in `routing`'s order."""
-    x = _GatherPairs.apply(hidden, routing.token, ranks)
+    (x,) = _PairInputs.apply(hidden, hidden.detach(), routing.token, ranks, 1)
     projected = [segment_matmul(x, w_t, routing, backend) for w_t in stacks.first]
     if stacks.first_bias is not None:
         projected = [p + b[routing.expert] for p, b in zip(projected, stacks.first_bias)]
@@ -152,26 +165,36 @@ def _routed(
 
 
 def _all_tokens(
-    hidden: torch.Tensor, routing: Routing, stacks: ExpertStacks, activation: Activation
+    hidden: torch.Tensor,
+    routing: Routing,
+    ranks: torch.Tensor,
+    stacks: ExpertStacks,
+    activation: Activation,
+    backend: str,
 ) -> torch.Tensor:
-    """Stock's all-experts mode: every expert on every token, the routed rows kept."""
-    experts, tokens = stacks.down_t.shape[0], hidden.shape[0]
-    count = len(stacks.first)
-    inputs = _PerExpertInput.apply(hidden, experts, count, _compute_dtype(hidden))
-    projected = [torch.bmm(x, w_t) for x, w_t in zip(inputs, stacks.first)]  # [E, T, I]
+    """Stock's all-experts mode on the routed rows: [N, H] in `routing`'s order.
+
+    The matmuls run on detached stacks, so autograd computes only their input
+    gradients; every stack's weight gradient is computed in stock's all-token layout
+    by the recorder's `GatheredWeight` (the stacks' own where the call has none).
+    """
     recorder = stacks.recorder
-    if recorder is not None:  # every expert's input is the one cast hidden [T, H]
-        projected = [recorder.record(i, inputs[0][0], p) for i, p in enumerate(projected)]
+    if recorder is None:
+        recorder = stack_recorders(stacks, [hidden.device], "experts")[0]
+    shared = hidden.detach().to(_compute_dtype(hidden))
+    count = len(stacks.first)
+    inputs = _PairInputs.apply(hidden, shared, routing.token, ranks, count)
+    place = RoutedRows(routing.expert, routing.token, hidden.shape[0])
+    projected = [
+        recorder.record(index, shared, segment_matmul(x, w_t.detach(), routing, backend), place)
+        for index, (x, w_t) in enumerate(zip(inputs, stacks.first))
+    ]
     if stacks.first_bias is not None:
-        projected = [p + b[:, None] for p, b in zip(projected, stacks.first_bias)]
-    h = activation(torch.cat(projected, dim=-1).reshape(experts * tokens, -1))
-    h = h.view(experts, tokens, -1)
-    y = torch.bmm(h, stacks.down_t)
-    if recorder is not None:
-        y = recorder.record(count, h, y)
-    if stacks.down_bias is not None:
-        y = y + stacks.down_bias[:, None]
-    return y[routing.expert, routing.token]
+        projected = [p + b[routing.expert] for p, b in zip(projected, stacks.first_bias)]
+    h = activation(torch.cat(projected, dim=-1))
+    y = segment_matmul(h, stacks.down_t.detach(), routing, backend)
+    y = recorder.record(count, h, y, place)
+    return y if stacks.down_bias is None else y + stacks.down_bias[routing.expert]
 
 
 def experts_forward(
@@ -190,13 +213,13 @@ def experts_forward(
     :param activation: stock's function of cat([gate, up]) (or of up alone)
     :param backend: grouped_ops' segment-matmul kernel
     :param all_experts: llm-compressor's all-experts calibration mode
-    :param all_tokens: in that mode, run every expert on every token when gradients
-        are needed (stock's reduction order); otherwise routed tokens only
+    :param all_tokens: in that mode, when gradients are needed, reduce the weight
+        gradients over every token as stock does; otherwise over routed tokens only
     """
     routing = route(top_k_index, stacks.down_t.shape[0])
     ranks = rank_positions(routing, top_k_index)
     if all_experts and all_tokens and torch.is_grad_enabled():
-        y = _all_tokens(hidden_states, routing, stacks, activation)
+        y = _all_tokens(hidden_states, routing, ranks, stacks, activation, backend)
     elif stacks.recorder is not None:
         raise RuntimeError(
             "the stacks' gradients are to be gathered, which only the all-tokens mode "
