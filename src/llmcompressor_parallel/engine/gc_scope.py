@@ -3,8 +3,9 @@
 auto-round calls `gc.collect()` five to six times for every layer it quantizes (while
 building its compressor and model context, and when clearing memory). Each call
 traverses every object the process tracks: with torch, transformers and a model
-loaded that is about half a million objects and 0.25-0.3 s a call on a 2-core CPU
-machine, so about 1.5 s of every layer goes to finding a handful of cycles.
+loaded that is about half a million objects and 0.25-0.3 s a call (on a 2-core CPU
+machine and on an H200 machine's host alike), so about 1.5 s of every layer goes to
+finding a handful of cycles.
 
 `young_objects_gc()` collects once, then freezes every tracked object (`gc.freeze`:
 moved to a permanent generation that collections skip) for the layer's duration. The
