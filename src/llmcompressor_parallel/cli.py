@@ -29,6 +29,17 @@ def _default_demo_devices() -> object:
     return ["cpu", "cpu"]
 
 
+def _seed(seed: int) -> None:
+    """oneshot shuffles the calibration samples with torch's global generator, which
+    torch 2.13 seeds from the system's entropy at start-up: seeded here, two runs pick
+    the same samples in the same order and save the same checkpoint. Negative: left as
+    it is."""
+    import torch
+
+    if seed >= 0:
+        torch.manual_seed(seed)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,6 +70,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     calibration = calibration_dataset(tokenizer, args.samples, args.seq_len)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _seed(args.seed)
     start = time.perf_counter()
     oneshot(
         model=model,
@@ -127,6 +139,7 @@ def _run_oneshot(args: argparse.Namespace) -> int:
         dataset = calibration_dataset(tokenizer, args.samples, args.seq_len)
     data_parallel = _parse_data_parallel(args.data_parallel) if args.data_parallel else None
     recipe = recipe_with_overrides(Path(args.recipe), data_parallel=data_parallel)
+    _seed(args.seed)
     start = time.perf_counter()
     oneshot(
         model=args.model,
@@ -155,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=64)
     demo.add_argument("--seq-len", type=int, default=256)
     demo.add_argument("--kl-chunks", type=int, default=32)
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of oneshot's shuffle of the calibration samples (negative: unseeded)")
     demo.set_defaults(run=_run_demo)
 
     one = commands.add_parser("oneshot", help="run a recipe YAML on a local model folder")
@@ -169,6 +184,8 @@ def _parser() -> argparse.ArgumentParser:
                           "forwards data-parallel")
     one.add_argument("--samples", type=int, default=128)
     one.add_argument("--seq-len", type=int, default=2048)
+    one.add_argument("--seed", type=int, default=0,
+                     help="seed of oneshot's shuffle of the calibration samples (negative: unseeded)")
     one.set_defaults(run=_run_oneshot)
     return parser
 
