@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import platform
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,11 +45,39 @@ def bench_folders(out: str, work: str | None, prefix: str) -> tuple[Path, Path]:
     return out_dir, Path(work or tempfile.mkdtemp(prefix=prefix))
 
 
+def host_info() -> dict:
+    """The host a record was measured on: both stock and ours are host-bound in parts,
+    and lent machines' hosts differ (stock's same 30B layer took 68 to 97 s across
+    three calls), so records from different calls compare through this."""
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+         if line.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    start = time.perf_counter()
+    total = 0
+    for value in range(2_000_000):  # a fixed pure-Python loop: the interpreter's speed
+        total += value & 7
+    return {"cpu": model, "cores": os.cpu_count(),
+            "python_loop_ms": round((time.perf_counter() - start) * 1000, 1)}
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
 def emit(record: dict, out_dir: Path) -> None:
+    record.setdefault("host", _HOST())
     line = json.dumps(record)
     print(line, flush=True)
     with open(out_dir / "results.jsonl", "a") as stream:
         stream.write(line + "\n")
+
+
+_HOST = functools.cache(host_info)  # measured once per process, at its first record (between runs)
 
 
 def plot(records: list[dict], out_file: Path, title: str) -> None:
