@@ -288,16 +288,6 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         def adapted_autoround(*args: Any, **kwargs: Any) -> Any:
             if modifier._keeps_cache_on_gpu(kwargs.get("model")):
                 kwargs["low_gpu_mem_usage"] = False
-            if not modifier._wraps_quantize_block():
-                autoround = real_factory(*args, **kwargs)
-                quantize_block = autoround.quantize_block
-
-                def quantize_block_foreach(*q_args: Any, **q_kwargs: Any):
-                    use_foreach_sign_sgd(autoround)
-                    return quantize_block(*q_args, **q_kwargs)
-
-                autoround.quantize_block = quantize_block_foreach
-                return autoround
             pool = modifier._pool
             compile_replicas = pool is not None and bool(kwargs.get("enable_torch_compile"))
             if pool is not None:
@@ -307,7 +297,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             autoround = real_factory(*args, **kwargs)
             quantize_block = autoround.quantize_block
 
-            def fanned_quantize_block(block: nn.Module, *q_args: Any, **q_kwargs: Any):
+            # without a pool or grouped experts only the SignSGD step is adapted
+            def adapted_quantize_block(block: nn.Module, *q_args: Any, **q_kwargs: Any):
                 name = getattr(block, "_tmp_name", type(block).__name__)
                 use_foreach_sign_sgd(autoround)
                 with contextlib.ExitStack() as stack:
@@ -335,7 +326,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                 _log_layer_summary(name, fan_out, grouped, pool)
                 return result
 
-            autoround.quantize_block = fanned_quantize_block
+            autoround.quantize_block = adapted_quantize_block
             return autoround
 
         stock_autoround.AutoRound = adapted_autoround

@@ -23,7 +23,7 @@ batches (replica 0 the first ones), so:
 Modules fed the very same input tensor (q/k/v of an attention, gate/up of an MLP)
 share one product per call: stock computes `(sqrt(2) x)(sqrt(2) x)^T` once per module,
 the same fp32 matmul on the same values, so computing it once and adding it to each
-module's sum gives each module stock's bits (`_linear_product` mirrors
+module's sum gives each module stock's bits (`linear_product` mirrors
 `accumulate_hessian` for Linear inputs; a test holds them equal). At the Llama-3-8B
 shape that is 4 fp32 products per batch instead of 7.
 """
