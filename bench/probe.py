@@ -9,10 +9,19 @@ by GPU time and by host time, and the wall time to compare the GPUs' busy time w
 `autoround-host`: cProfile over the last layer's whole per-layer work (ours:
 `on_sequential_epoch_end`, from auto-round's set-up to llm-compressor's write-back),
 the Python functions by cumulative time; the stats file goes to --out for pstats.
+`autoround-capture`: the same over the second decoder layer's input-capture pass (the
+pipeline's calibration forwards between the first and the second layer's epoch ends).
+`gptq-updates`: the same over the last layer's GPTQ update phase (`compress_modules`).
+`gptq-rowsplit`: stock `quantize_weight` on one update batch against the same batch cut
+by rows over the GPUs (same Hessians on each): equal bits? and the seconds of each,
+of the Hessian factorisation alone, and of the halves run at once from two threads.
 
     python bench/probe.py gptq-pass --shape llama3-8b --gpus 2
     python bench/probe.py autoround-profile --shape qwen3-30b-a3b --gpus 1 --iters 10
     python bench/probe.py autoround-host --shape qwen3-30b-a3b --gpus 1 --iters 50 --out bench/out
+    python bench/probe.py autoround-capture --shape qwen3-30b-a3b --gpus 1 --iters 2 --out bench/out
+    python bench/probe.py gptq-updates --shape llama3-8b --gpus 2 --samples 16 --out bench/out
+    python bench/probe.py gptq-rowsplit --gpus 2
 """
 
 from __future__ import annotations
@@ -146,48 +155,179 @@ def autoround_profile(args: argparse.Namespace, work: Path) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
-def autoround_host(args: argparse.Namespace, work: Path, out: Path) -> None:
+def _profiled_window(out: Path, label: str, args: argparse.Namespace):
+    """A cProfile window and the `patched` makers that open and close it."""
     import cProfile
-    import pstats
 
+    profiler, state = cProfile.Profile(), {"calls": 0, "open": False}
+
+    def start() -> None:
+        sync_gpus()
+        state["start"], state["open"] = time.perf_counter(), True
+        profiler.enable()
+
+    def stop() -> None:
+        if state.pop("open", False):
+            sync_gpus()
+            profiler.disable()
+            state["wall"] = time.perf_counter() - state["start"]
+
+    def report() -> None:
+        import pstats
+
+        path = out / f"{label}-{args.shape}-{args.gpus}gpu.prof"
+        profiler.dump_stats(str(path))
+        print(f"{label}: {state['wall']:.2f} s wall on {args.gpus} GPU(s); stats in {path}")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
+
+    return state, start, stop, report
+
+
+def autoround_window(args: argparse.Namespace, work: Path, out: Path) -> None:
+    """cProfile of the second decoder layer's per-layer work or of its capture pass."""
     model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
     recipe = DataParallelAutoRoundModifier(
         data_parallel=_devices(args.gpus) if args.gpus > 1 else "off", iters=args.iters, batch_size=8,
         enable_torch_compile=False, grouped_expert_tokens=args.expert_tokens,
         exact_gradients=args.exact == "on", **COMMON,
     )
-    profiler, state = cProfile.Profile(), {"calls": 0}
+    label = args.probe
+    state, start, stop, report = _profiled_window(out, label, args)
 
     def epoch_end(real: Callable) -> Callable:  # the third subgraph: the second decoder layer
         def profiled(self, *call_args, **call_kwargs):
             state["calls"] += 1
+            if label == "autoround-capture":
+                stop()
+                result = real(self, *call_args, **call_kwargs)
+                if state["calls"] == 2:
+                    start()
+                return result
             if state["calls"] != 3:
                 return real(self, *call_args, **call_kwargs)
-            sync_gpus()
-            start = time.perf_counter()
-            profiler.enable()
+            start()
             try:
                 return real(self, *call_args, **call_kwargs)
             finally:
-                sync_gpus()
-                profiler.disable()
-                state["wall"] = time.perf_counter() - start
+                stop()
 
         return profiled
 
     with patched(DataParallelAutoRoundModifier, "on_sequential_epoch_end", epoch_end):
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
                 recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len)
-    path = out / f"autoround-host-{args.shape}-{args.gpus}gpu.prof"
-    profiler.dump_stats(str(path))
-    print(f"last layer's on_sequential_epoch_end: {state['wall']:.2f} s wall on {args.gpus} GPU(s), "
-          f"iters {args.iters}; stats in {path}")
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
+    report()
+
+
+def gptq_updates(args: argparse.Namespace, work: Path, out: Path) -> None:
+    """cProfile of the last layer's GPTQ update phase (ours, parallel_sequential)."""
+    model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
+    recipe = ParallelGPTQExpertModifier(data_parallel=_devices(args.gpus) if args.gpus > 1 else "off", **COMMON)
+    state, start, stop, report = _profiled_window(out, "gptq-updates", args)
+
+    def compress(real: Callable) -> Callable:
+        def profiled(self, *call_args, **call_kwargs):
+            state["calls"] += 1
+            if state["calls"] != 2:  # the second decoder layer
+                return real(self, *call_args, **call_kwargs)
+            start()
+            try:
+                return real(self, *call_args, **call_kwargs)
+            finally:
+                stop()
+
+        return profiled
+
+    with patched(ParallelGPTQExpertModifier, "compress_modules", compress):
+        oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
+                recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len,
+                shuffle_calibration_samples=False, pipeline="parallel_sequential")
+    report()
+
+
+# (batch, rows, columns) of update batches: Llama-3-8B modules, a per-GPU chunk of
+# Qwen3-235B-A22B / Qwen3-30B-A3B experts (gate/up, then down)
+ROWSPLIT_SHAPES = [(1, 4096, 14336), (1, 14336, 4096), (1, 4096, 4096), (1, 1024, 4096),
+                   (64, 1536, 4096), (64, 4096, 1536), (64, 768, 2048), (64, 2048, 768)]
+
+
+def gptq_rowsplit(args: argparse.Namespace, work: Path, out: Path) -> None:
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+    from llmcompressor.modifiers.gptq.helpers import factorize_hessian
+
+    devices = [torch.device(d) for d in _devices(args.gpus)]
+    quant_args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+
+    def run(weights, hessians, scale, zero, device):
+        return quantize_weight(weights.to(device), hessians.to(device, copy=True), scale.to(device), zero.to(device),
+                               None, quant_args, blocksize=128, percdamp=0.01)
+
+    def timed(fn):
+        sync_gpus()
+        start = time.perf_counter()
+        result = fn()
+        sync_gpus()
+        return result, time.perf_counter() - start
+
+    for batch, rows, columns in ROWSPLIT_SHAPES:
+        generator = torch.Generator().manual_seed(0)
+        weights = (torch.randn(batch, rows, columns, generator=generator) * 0.02).to(torch.bfloat16)
+        samples = torch.randn(batch, 2 * columns, columns, generator=generator)
+        hessians = (samples.transpose(1, 2) @ samples / samples.shape[1]).contiguous()
+        groups = weights.float().reshape(batch, rows, columns // 128, 128).abs().amax(-1)
+        scale = (groups / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+        zero = torch.zeros_like(scale, dtype=torch.int8)
+        home = devices[0]
+        run(weights[:1], hessians[:1], scale[:1], zero[:1], home)  # warm-up (JIT, handles)
+        (full, _, _), full_s = timed(lambda: run(weights, hessians, scale, zero, home))
+        used = torch.zeros(batch, dtype=torch.bool, device=home)
+        _, factor_s = timed(lambda: factorize_hessian(
+            weights.to(home, torch.float32), hessians.to(home).clone(), 0.01, used))
+        cuts = split_row_ranges(rows, len(devices))
+        pieces = [(weights[:, a:b], hessians, scale[:, a:b], zero[:, a:b], d) for (a, b), d in zip(cuts, devices)]
+        for piece in pieces:  # warm-up on every device
+            run(piece[0][:1], piece[1][:1], piece[2][:1], piece[3][:1], piece[4])
+        halves, serial_s = [], 0.0
+        for piece in pieces:
+            (part, _, _), seconds = timed(lambda: run(*piece))
+            halves.append(part.to(home))
+            serial_s = max(serial_s, seconds)
+        results: list[Any] = [None] * len(pieces)
+
+        def worker(index: int) -> None:
+            torch.cuda.set_device(pieces[index][4]) if torch.cuda.is_available() else None
+            results[index] = run(*pieces[index])[0]
+
+        def concurrent() -> None:
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(pieces))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        _, together_s = timed(concurrent)
+        equal = torch.equal(full, torch.cat(halves, dim=1)) and torch.equal(
+            full, torch.cat([r.to(home) for r in results], dim=1))
+        print(f"batch {batch:3d} x {rows:5d} x {columns:5d}: whole {full_s:.3f} s (factorisation "
+              f"{factor_s:.3f} s), largest row piece {serial_s:.3f} s, {len(pieces)} pieces at once "
+              f"{together_s:.3f} s ({full_s / together_s:.2f}x); bits equal: {equal}")
+
+
+def split_row_ranges(rows: int, parts: int, multiple: int = 16) -> list[tuple[int, int]]:
+    """`parts` contiguous row ranges, cut at multiples of `multiple`."""
+    step = -(-rows // parts // multiple) * multiple
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("probe", choices=["gptq-pass", "autoround-profile", "autoround-host"])
+    parser.add_argument(
+        "probe",
+        choices=["gptq-pass", "autoround-profile", "autoround-host", "autoround-capture", "gptq-updates",
+                 "gptq-rowsplit"],
+    )
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--samples", type=int, default=128)
@@ -200,8 +340,12 @@ def main() -> None:
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-probe-")
-    if args.probe == "autoround-host":
-        autoround_host(args, work, out)
+    if args.probe in ("autoround-host", "autoround-capture"):
+        autoround_window(args, work, out)
+    elif args.probe == "gptq-updates":
+        gptq_updates(args, work, out)
+    elif args.probe == "gptq-rowsplit":
+        gptq_rowsplit(args, work, out)
     else:
         {"gptq-pass": gptq_pass, "autoround-profile": autoround_profile}[args.probe](args, work)
 
