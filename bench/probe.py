@@ -159,22 +159,24 @@ def _profiled_window(out: Path, label: str, args: argparse.Namespace):
     """A cProfile window and the `patched` makers that open and close it."""
     import cProfile
 
-    profiler, state = cProfile.Profile(), {"calls": 0, "open": False}
+    state: dict[str, Any] = {"calls": 0, "open": False}
 
-    def start() -> None:
+    def start() -> None:  # a fresh profile: the last window opened is the one reported
         sync_gpus()
+        state["profiler"] = cProfile.Profile()
         state["start"], state["open"] = time.perf_counter(), True
-        profiler.enable()
+        state["profiler"].enable()
 
     def stop() -> None:
         if state.pop("open", False):
             sync_gpus()
-            profiler.disable()
+            state["profiler"].disable()
             state["wall"] = time.perf_counter() - state["start"]
 
     def report() -> None:
         import pstats
 
+        profiler = state["profiler"]
         path = out / f"{label}-{args.shape}-{args.gpus}gpu.prof"
         profiler.dump_stats(str(path))
         print(f"{label}: {state['wall']:.2f} s wall on {args.gpus} GPU(s); stats in {path}")
@@ -227,9 +229,8 @@ def gptq_updates(args: argparse.Namespace, work: Path, out: Path) -> None:
     state, start, stop, report = _profiled_window(out, "gptq-updates", args)
 
     def compress(real: Callable) -> Callable:
-        def profiled(self, *call_args, **call_kwargs):
-            state["calls"] += 1
-            if state["calls"] != 2:  # the second decoder layer
+        def profiled(self, *call_args, **call_kwargs):  # the last call: the last layer
+            if not self._hessians:
                 return real(self, *call_args, **call_kwargs)
             start()
             try:

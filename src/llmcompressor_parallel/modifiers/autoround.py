@@ -19,6 +19,7 @@ import torch
 from loguru import logger
 from pydantic import PrivateAttr, field_validator
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import llmcompressor.modifiers.autoround.base as stock_autoround
 from llmcompressor.core import Event, State
@@ -80,7 +81,9 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         gets `batch_size` samples; the global batch is N x `batch_size`)
     :param keep_cache_on_gpu: keep auto-round's per-layer caches (captured inputs,
         reference outputs, best parameters) on the layer's GPU instead of in host
-        memory, where stock keeps them (`low_gpu_mem_usage=True`). Same numbers;
+        memory, where stock keeps them (`low_gpu_mem_usage=True`); the pipeline's
+        input capture then keeps each batch's layer inputs on their device too (a
+        device copy instead of stock's copy to host). Same numbers;
         removes the host copies that every tuning iteration otherwise makes in
         turn, which bound the speed-up of the fan-out and of grouped experts. None
         (default): on when the layer runs data-parallel or has linearised MoE experts
@@ -186,8 +189,19 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
 
     def input_capture_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         """Stock's capture; then the rest of the layer's calibration pass runs its
-        experts grouped (autoround_capture.py)."""
-        super().input_capture_hook(module, args, kwargs)
+        experts grouped (autoround_capture.py).
+
+        Where the layer's caches stay on the GPU, the inputs are kept where they are
+        (copied on their device) instead of copied to host memory, from where
+        auto-round would copy them back before tuning: stock's copies to host are
+        synchronous and cost about 0.4 s of a 3.6 s capture pass (Qwen3-30B-A3B
+        shape, 128 samples, one H200).
+        """
+        if self._keeps_cache_on_gpu(module):
+            inputs = self._all_module_input.setdefault(module._tmp_name, [])
+            inputs.append((tree_map(_kept_on_device, args), tree_map(_kept_on_device, kwargs)))
+        else:
+            super().input_capture_hook(module, args, kwargs)
         if self._capture is not None:
             self._capture.opened(module)
 
@@ -334,3 +348,12 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             yield
         finally:
             stock_autoround.AutoRound = real_factory
+
+
+def _kept_on_device(value: Any) -> Any:
+    """A captured input as stock keeps it, but on its own device: stock's
+    `detach().cpu()` copies device tensors and leaves host tensors uncopied."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    return value if value.device.type == "cpu" else value.clone()

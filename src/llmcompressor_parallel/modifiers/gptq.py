@@ -16,7 +16,10 @@ per-device worker pool (`engine.update_pool`); each worker calls the stock
 `prepare_batch` and `quantize_weight` on copies of the batch's weights, Hessians
 and qparams. Only when every batch of the layer has succeeded are the results
 written back with the stock `update_batch_qparams` (offloaded modules included),
-so a failure leaves the layer's weights and the modifier's Hessians untouched.
+so a failure leaves the layer's weights and the modifier's Hessians untouched. For
+modules offloaded to host memory, each worker first copies its results into
+page-locked host memory (`engine.host_staging`), so that the caller's write-back
+copies host to host instead of from the device into pageable memory.
 
 MoE experts: with `grouped_experts=True` (the default), llm-compressor's linearised
 experts run grouped in the calibration and propagation forwards (stacked weights,
@@ -65,6 +68,7 @@ from llmcompressor.modifiers.gptq.helpers import (
 
 from llmcompressor_parallel.calibration_pipeline import PIPELINE_NAME
 from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
+from llmcompressor_parallel.engine.host_staging import offloaded_to_host, staged_on_host
 from llmcompressor_parallel.engine.update_pool import (
     UpdateJob,
     UpdateResult,
@@ -331,6 +335,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             num_samples=[self._num_samples[module] for module in batch],
             qparams=[module.weight_observer.get_qparams() for module in batch],
             quant_args=getattr_chain(batch[0], "quantization_scheme.weights"),
+            stage_on_host=all(offloaded_to_host(module) for module in batch),
         )
         return UpdateJob(
             name=names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})",
@@ -380,6 +385,7 @@ class _BatchInputs(NamedTuple):
     num_samples: list[torch.Tensor]
     qparams: list[dict[str, torch.Tensor | None]]
     quant_args: QuantizationArgs
+    stage_on_host: bool = False  # the modules live in host memory (engine.host_staging)
 
 
 class _BatchOutputs(NamedTuple):
@@ -423,7 +429,7 @@ def _quantize_batch(
         blocksize=blocksize,
         percdamp=percdamp,
     )
-    return _BatchOutputs(
+    outputs = _BatchOutputs(
         # stock casts each row to the module's dtype at write-back; the same cast
         # here halves what the worker holds until then
         quantized=quantized.to(dtype=inputs.weights[0].dtype),
@@ -433,6 +439,7 @@ def _quantize_batch(
         losses=losses.tolist(),
         used_rtn_fallback=used_rtn_fallback.tolist(),
     )
+    return staged_on_host(outputs) if inputs.stage_on_host else outputs
 
 
 def _batch_bytes(inputs: _BatchInputs, block_size: int) -> int:
