@@ -9,6 +9,10 @@ what grouped experts alone give on an MoE layer.
     python bench/bench_autoround.py --shapes llama3-8b --gpus 2 4 \
         --samples 128 --seq-len 2048 --iters 50 --out bench/out
     python bench/bench_autoround.py --shapes qwen3-30b-a3b --gpus 1 2 --layers 1 --out bench/out
+    python bench/bench_autoround.py --shapes qwen3-30b-a3b --gpus 1 2 --pipeline sequential parallel_sequential
+
+`--pipeline parallel_sequential` runs ours on >= 2 GPUs under that pipeline (the layers'
+input-capture passes data-parallel too); its configs are named "-pp".
 """
 
 from __future__ import annotations
@@ -75,10 +79,12 @@ def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: 
     reset_peak_memory()
     torch.manual_seed(0)
     start = time.perf_counter()
+    extra = {"pipeline": variant[4]} if len(variant) > 4 and variant[4] != "sequential" else {}
     with autoround_phases(timer):
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
-                recipe=_modifier(gpus, args, *variant), num_calibration_samples=args.samples,
-                max_seq_length=args.seq_len, output_dir=str(save_dir) if save_dir else None)
+                recipe=_modifier(gpus, args, *variant[:4]), num_calibration_samples=args.samples,
+                max_seq_length=args.seq_len, output_dir=str(save_dir) if save_dir else None,
+                **extra)
     return timer, time.perf_counter() - start
 
 
@@ -112,6 +118,9 @@ def main() -> None:
     parser.add_argument("--exact", nargs="+", choices=["on", "off"], default=["on"],
                         help="exact_gradients of ours on >= 2 GPUs (off: each replica sums its own "
                              "rows' weight gradients); several run in turn")
+    parser.add_argument("--pipeline", nargs="+", choices=["sequential", "parallel_sequential"],
+                        default=["sequential"], help="oneshot pipeline of ours on >= 2 GPUs "
+                        "(parallel_sequential: capture passes data-parallel); several run in turn")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")
@@ -120,14 +129,16 @@ def main() -> None:
         model_dir = save_random_model(shape, args.layers, work / f"{shape}-{args.layers}-layers")
         stock_seconds = None
         configs = {"stock-1gpu": (None, ())}
-        for cache, tokens, qdq, exact, g in itertools.product(
-            args.cache, args.expert_tokens, args.qdq_once, args.exact, args.gpus
+        for cache, tokens, qdq, exact, pipeline, g in itertools.product(
+            args.cache, args.expert_tokens, args.qdq_once, args.exact, args.pipeline, args.gpus
         ):
-            # by name: "default" on 2 GPUs and "on" are one configuration; qdq and exact
-            # are moot on 1
+            # by name: "default" on 2 GPUs and "on" are one configuration; qdq, exact and
+            # the pipeline are moot on 1
             keep_cache = CACHE_CHOICES[cache]
-            variant = (keep_cache, tokens, qdq == "on", exact == "on")
-            name = f"ours-{g}gpu" + _cache_suffix(g, keep_cache) + _variant_suffix(g, *variant[1:])
+            pipeline = pipeline if g > 1 else "sequential"
+            variant = (keep_cache, tokens, qdq == "on", exact == "on", pipeline)
+            name = (f"ours-{g}gpu" + _cache_suffix(g, keep_cache) + _variant_suffix(g, *variant[1:4])
+                    + ("-pp" if pipeline == "parallel_sequential" else ""))
             configs.setdefault(name, (g, variant))
         for name, (gpus, variant) in configs.items():
             if gpus is not None and not args.cpu and gpus > torch.cuda.device_count():
@@ -155,7 +166,7 @@ def main() -> None:
                                             for k in stock_layer}
                 record["parallel_efficiency"] = round(record["tuning_speedup"] / gpus, 3)
                 (record["keep_cache_on_gpu"], record["expert_tokens"], record["qdq_once"],
-                 record["exact_gradients"]) = variant
+                 record["exact_gradients"], record["pipeline"]) = variant
                 record["vs_stock_checkpoint"] = _agreement(work / f"{shape}-stock-1gpu", save_dir)
             emit(record, out)
             records.append(record)

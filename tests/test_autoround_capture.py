@@ -239,3 +239,27 @@ def test_bad_grouped_expert_tokens_fail_at_construction(value):
     with pytest.raises(ValidationError, match="allowed values: 'auto', 'all', 'routed'"):
         DataParallelAutoRoundModifier(scheme="W4A16", targets="Linear",
                                       grouped_expert_tokens=value)
+
+
+# ------------------------------------------------------------------ data-parallel capture
+def test_parallel_capture_gives_the_serial_run_bit_for_bit(tmp_path):
+    """Under "parallel_sequential" each CPU replica captures its run of batches with the
+    experts grouped; the captured inputs and the checkpoint equal the serial pipeline's."""
+    model = save_moe(tmp_path / "model", torch.float32)
+    data = calibration_data(SAMPLES, SEQ_LEN)
+    runs = {}
+    for pipeline in ("sequential", "parallel_sequential"):
+        ours = DataParallelAutoRoundModifier(iters=2, data_parallel=["cpu", "cpu"], **AUTOROUND_ARGS)
+        with captured_inputs() as captured, log_lines() as lines:
+            saved = run_oneshot(model, ours, tmp_path / pipeline, SAMPLES, SEQ_LEN,
+                                dataset=data, pipeline=pipeline)
+        runs[pipeline] = (captured, saved, ours, lines)
+    (serial, serial_saved, _, _), (parallel, parallel_saved, ours, lines) = runs.values()
+    assert serial.keys() == parallel.keys() and len(serial) == 3
+    for name in serial:
+        assert torch.equal(serial[name], parallel[name]), name
+    assert compare_checkpoints(serial_saved, parallel_saved)["int_identical"] == 1.0
+    assert all(tensor.equal(parallel_saved[key]) for key, tensor in serial_saved.items())
+    assert sum("input capture ran on 2 devices" in line for line in lines) == 3
+    assert all(calls == (SAMPLES, 0) for calls in ours._capture.counts.values())
+    assert ours._part_capture is None and ours._worker_guard is None

@@ -13,9 +13,10 @@ layer stops it from `apply_autoround`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Sequence
 
 import torch
+from compressed_tensors.utils import get_execution_device
 from loguru import logger
 from pydantic import PrivateAttr, field_validator
 from torch import nn
@@ -34,6 +35,11 @@ from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.gc_scope import young_objects_gc
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.modifiers.autoround_capture import GroupedCapture
+from llmcompressor_parallel.modifiers.autoround_parallel_capture import (
+    PartCapture,
+    kept_on,
+    kept_on_host,
+)
 from llmcompressor_parallel.modifiers.data_parallel_options import (
     DataParallelOptions,
     check_allowed,
@@ -141,6 +147,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
     _capture: GroupedCapture | None = PrivateAttr(default=None)
     _worker_guard: ForwardErrorHooks | None = PrivateAttr(default=None)
+    _in_parallel_pipeline: bool = PrivateAttr(default=False)
+    _part_capture: PartCapture | None = PrivateAttr(default=None)
 
     @field_validator("parallel_batch", mode="before")
     @classmethod
@@ -181,8 +189,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             self._capture = GroupedCapture()
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
-        if self._pool is not None and self._worker_guard is None:
-            # not a "parallel_sequential" participant: under every pipeline
+        if self._pool is not None and self._worker_guard is None and not self._in_parallel_pipeline:
+            # "parallel_sequential" stops the workers itself when a pass raises
             self._worker_guard = guard_workers(
                 type(self).__name__, state.model, self._sequential_targets, self.close_workers
             )
@@ -197,13 +205,64 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         synchronous and cost about 0.4 s of a 3.6 s capture pass (Qwen3-30B-A3B
         shape, 128 samples, one H200).
         """
+        if self._part_capture is not None:
+            return  # a data-parallel capture pass records per part (autoround_parallel_capture.py)
         if self._keeps_cache_on_gpu(module):
+            keep = _kept_on_own_device
             inputs = self._all_module_input.setdefault(module._tmp_name, [])
-            inputs.append((tree_map(_kept_on_device, args), tree_map(_kept_on_device, kwargs)))
+            inputs.append((tree_map(keep, args), tree_map(keep, kwargs)))
         else:
             super().input_capture_hook(module, args, kwargs)
         if self._capture is not None:
             self._capture.opened(module)
+
+    # ------------------------------------------------------------ data-parallel capture
+    # (the ParallelCalibrationParticipant protocol of `calibration_pipeline`)
+    def join_parallel_pipeline(self) -> None:
+        self._in_parallel_pipeline = True
+
+    def parallel_calibration_pool(self) -> DeviceWorkerPool | None:
+        return self._pool
+
+    def merges_hook(self, hook: Callable) -> bool:
+        """Only this modifier's own capture hook."""
+        return (
+            getattr(hook, "__self__", None) is self
+            and getattr(hook, "__func__", None) is type(self).input_capture_hook
+        )
+
+    def begin_parallel_calibration(
+        self, modules: Sequence[nn.Module], parts: Sequence[Mapping[nn.Module, nn.Module]]
+    ) -> None:
+        """Per-part capture hooks on what each part runs; the stock hook pauses meanwhile."""
+        if self._part_capture is not None:
+            raise RuntimeError("a parallel capture pass is already running")
+        layers = {}
+        for layer in modules:
+            keep = kept_on(get_execution_device(layer)) if self._keeps_cache_on_gpu(layer) else kept_on_host
+            layers[layer] = (layer._tmp_name, keep)
+        self._part_capture = PartCapture(layers, parts)
+
+    def end_parallel_calibration(self, merge: bool) -> None:
+        """Remove the per-part hooks; with `merge`, the parts' records join stock's list."""
+        capture, self._part_capture = self._part_capture, None
+        if capture is None:
+            return
+        capture.remove()
+        if merge:
+            capture.merge_into(self._all_module_input)
+
+    def parallel_pass(
+        self,
+        parts: Sequence[Mapping[nn.Module, nn.Module]],
+        devices: Sequence[torch.device],
+        calibrating: bool,
+    ) -> ContextManager[None]:
+        """Around each data-parallel capture pass: every part's experts run grouped."""
+        if not calibrating or self._capture is None or not parts:
+            return contextlib.nullcontext()
+        layers = {m: m._tmp_name for m in parts[0] if self._is_decoding_layer(m)}
+        return self._capture.on_parts(layers, parts)
 
     def on_sequential_epoch_end(
         self, state: State, event: Event, modules: list[nn.Module], **kwargs
@@ -350,10 +409,9 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             stock_autoround.AutoRound = real_factory
 
 
-def _kept_on_device(value: Any) -> Any:
+def _kept_on_own_device(value: Any) -> Any:
     """A captured input as stock keeps it, but on its own device: stock's
     `detach().cpu()` copies device tensors and leaves host tensors uncopied."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.detach()
-    return value if value.device.type == "cpu" else value.clone()
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return kept_on(value.device)(value)
+    return kept_on_host(value)

@@ -16,8 +16,9 @@ forward hook, removed without breaking torch's iteration over the layer's hooks)
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from loguru import logger
@@ -78,6 +79,33 @@ class GroupedCapture:
                     "the per-expert loop in {}",
                     entry.name, context.grouped_calls, context.stock_calls,
                 )
+
+    @contextlib.contextmanager
+    def on_parts(
+        self, layers: Mapping[nn.Module, str], parts: Sequence[Mapping[nn.Module, nn.Module]]
+    ) -> Iterator[None]:
+        """A data-parallel capture pass (autoround_parallel_capture.py): the experts of
+        every part's copy of `layers` (home layer -> name) run grouped for the pass;
+        each layer's counts are the sums over its parts."""
+        contexts: dict[str, list[GroupedAutoRoundExperts]] = {}
+        with contextlib.ExitStack() as stack:
+            for part, module_map in enumerate(parts):
+                for home, name in layers.items():
+                    context = GroupedAutoRoundExperts(
+                        module_map[home], f"{name} (input capture, part {part})", self.backend
+                    )
+                    contexts.setdefault(name, []).append(stack.enter_context(context))
+            yield
+        for name, per_part in contexts.items():
+            if not any(context.module_names for context in per_part):
+                continue
+            grouped = sum(context.grouped_calls for context in per_part)
+            stock = sum(context.stock_calls for context in per_part)
+            self.counts[name] = (grouped, stock)
+            logger.info(
+                "{}: input capture ran on {} devices, its experts grouped in {} calls, "
+                "the per-expert loop in {}", name, len(per_part), grouped, stock,
+            )
 
     def _close_on_error(self, layer: nn.Module, name: str, error: BaseException) -> None:
         """The layer's forward raised: its experts get their forwards back."""
