@@ -62,11 +62,12 @@ from llmcompressor_parallel.engine.grouped_autoround_forward import (
 )
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
-from llmcompressor_parallel.engine.hooks import global_hooks, has_hooks
+from llmcompressor_parallel.engine.hooks import any_hooks, global_hooks
 from llmcompressor_parallel.engine.offload_forward import (
     is_offload_wrapper,
     offload_inner_forward,
     offload_onload_device,
+    parameter_values,
     same_device,
     send_like_offload,
 )
@@ -131,7 +132,7 @@ def _patched_forward(module: nn.Module) -> bool:
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+    return tuple([(id(t), t.data_ptr(), t._version) for t in tensors])
 
 
 @dataclass
@@ -158,8 +159,7 @@ class _Plan:
         runner = self.runner
         if isinstance(runner, (QuantizedGroupedExperts, ShippedGroupedExperts)):
             return runner.frozen_tensors()
-        params = (m._parameters.values() for m in projections(runner.experts))
-        return [p for group in params for p in group if p is not None]
+        return [p for m in projections(runner.experts) for p in parameter_values(m)]
 
     def refresh_if_changed(self) -> None:
         """Rebuild the stacks when weights were written in place (unwrap) or re-copied."""
@@ -235,15 +235,11 @@ def _module_reason(plan: _Plan, device_type: str) -> str | None:
     if runner.gate_up_bias is not None and torch.is_autocast_enabled(device_type):
         # stock's biased linear stays in the autocast dtype; the grouped bias add would promote
         return "biased projections under autocast"
-    if any(has_hooks(m) for m in plan.hooked):
+    if any_hooks(plan.hooked):
         return "a hook is registered on an expert or one of its projections"
-    if any(_patched_forward(m) for m in plan.called):
+    if any(map(_patched_forward, plan.called)):
         return "an expert's or projection's forward is replaced (active quantization, a patch)"
-    elsewhere = {
-        str(device)
-        for device in map(offload_onload_device, plan.called)
-        if device is not None and not same_device(device, runner.device)
-    }
+    elsewhere = _onload_elsewhere(plan.called, runner.device)
     if elsewhere:
         return (
             f"expert modules onload their inputs to {', '.join(sorted(elsewhere))}, "
@@ -252,6 +248,16 @@ def _module_reason(plan: _Plan, device_type: str) -> str | None:
     if global_hooks():
         return "global module hooks are registered"
     return None
+
+
+def _onload_elsewhere(modules: list[nn.Module], device: torch.device) -> set[str]:
+    """The devices other than `device` that `modules`' offloading wrappers move inputs to.
+
+    `same_device` builds torch.devices: asked once per distinct onload device, not once
+    per module (hundreds, on every call)."""
+    targets = set(map(offload_onload_device, modules))
+    targets.discard(None)
+    return {str(target) for target in targets if not same_device(target, device)}
 
 
 def _call_backend(plan: _Plan, hidden_states: torch.Tensor) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "is_offload_wrapper",
     "offload_inner_forward",
     "offload_onload_device",
+    "parameter_values",
     "same_device",
     "send_like_offload",
     "wrapper_target",
@@ -84,3 +85,32 @@ def _normalized(device: torch.device | str) -> torch.device:
     if device.type != "cpu" and device.index is None and torch.accelerator.is_available():
         return torch.device(device.type, torch.accelerator.current_device_index())
     return device
+
+
+def parameter_values(module: nn.Module) -> list[torch.Tensor]:
+    """`module`'s parameters as `module._parameters.values()` reads them, Nones left out.
+
+    Asked for hundreds of expert weights on every grouped call (grouped_autoround's
+    change check). Through an `OffloadCache` each read is a Python `__getitem__` that,
+    while offloading is disabled (the pipeline's passes), hashes the offloaded tensor
+    twice to find the onloaded one kept for it; here that kept tensor is taken with one
+    look-up, and any other case (nothing kept yet, onloading disabled, a subclass's
+    own `__getitem__`) reads through the cache itself, so the tensors are the same.
+    """
+    parameters = module._parameters
+    if type(parameters) is dict or not isinstance(parameters, OffloadCache):
+        return [p for p in parameters.values() if p is not None]
+    if (
+        type(parameters).__getitem__ is not OffloadCache.__getitem__
+        or parameters.onloading_disabled
+        or not parameters.offloading_disabled
+    ):
+        return [p for p in parameters.values() if p is not None]
+    kept = parameters.keep_onloaded_values
+    values = []
+    for name, offloaded in parameters.offloaded_values.items():
+        if offloaded is None:
+            continue
+        onloaded = kept.get(offloaded)
+        values.append(parameters[name] if onloaded is None else onloaded)
+    return values
