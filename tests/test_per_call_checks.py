@@ -10,6 +10,7 @@ of change is made between two calls and must be seen at the next one.
 from __future__ import annotations
 
 import functools
+import types
 from collections import OrderedDict
 
 import pytest
@@ -25,7 +26,7 @@ from llmcompressor.modeling.moe.context import moe_calibration_context
 from llmcompressor_parallel.engine import grouped_autoround
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.engine.hooks import any_hooks, has_hooks
-from llmcompressor_parallel.engine.offload_forward import parameter_values
+from llmcompressor_parallel.engine.offload_forward import offload_onload_device, parameter_values
 from llmcompressor_parallel.engine.replicate import ReplicaSet, _tensor_attributes, _walk
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -199,6 +200,50 @@ def test_any_hooks_agrees_with_has_hooks():
         assert not any_hooks(modules) and not any(map(has_hooks, modules))
 
 
+def test_forward_state_is_patched_forward_and_onload_device():
+    """One look at each instance forward answers both questions as before."""
+    block = offloaded_block()
+    expert, linear = block.experts[0], block.experts[0].up_proj
+    plain = torch.nn.Linear(2, 2)
+    rebound = torch.nn.Linear(2, 2)
+    rebound.forward = rebound.forward  # a bound method of the class's forward: harmless
+    patched = torch.nn.Linear(2, 2)
+    patched.forward = functools.partial(torch.nn.Linear.forward, patched)
+    no_inner = offloaded_block().experts[1].down_proj  # the wrapper without its target
+    del no_inner._original_forward_func
+    moved = offloaded_block().experts[2].gate_proj
+    moved._parameters.onload_device = torch.device("meta")
+    cases = {
+        "offloaded expert": (expert, (False, "cpu")),
+        "offloaded Linear": (linear, (False, "cpu")),
+        "plain": (plain, (False, None)),
+        "rebound": (rebound, (False, None)),
+        "patched": (patched, (True, None)),
+        "wrapper without target": (no_inner, (True, None)),
+        "moved": (moved, (False, "meta")),
+    }
+    for name, (module, (is_patched, device)) in cases.items():
+        state = grouped_autoround._forward_state(module)
+        old_patched = _old_patched_forward(module)
+        assert state == (old_patched, offload_onload_device(module)), name
+        assert (state[0], None if state[1] is None else str(state[1])) == (is_patched, device), name
+
+
+def _old_patched_forward(module: torch.nn.Module) -> bool:
+    """`grouped_autoround._patched_forward` as it was before `_forward_state`."""
+    from llmcompressor_parallel.engine.offload_forward import offload_inner_forward
+
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    inner = offload_inner_forward(module)
+    if inner is not None:
+        return not grouped_autoround._runs_own_forward(module, inner)
+    if not isinstance(forward, types.MethodType) or forward.__self__ is not module:
+        return True
+    return not grouped_autoround._runs_own_forward(module, forward.__func__)
+
+
 def _reads(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module._parameters.values() if p is not None]
 
@@ -212,15 +257,15 @@ def test_parameter_values_reads_what_the_offload_cache_returns():
     linear = block.experts[0].up_proj
     linear._parameters.onload_device = torch.device("meta")  # each onload: a new tensor
     plain = torch.nn.Linear(3, 2)
-    assert _same_tensors(parameter_values(plain), _reads(plain))
+    assert _same_tensors(parameter_values([plain]), _reads(plain))
     with disable_offloading():
-        first = parameter_values(linear)  # nothing kept yet: read through the cache
+        first = parameter_values([linear])  # nothing kept yet: read through the cache
         assert [p.device.type for p in first] == ["meta"]
         assert _same_tensors(_reads(linear), first)  # kept by that read
-        assert _same_tensors(parameter_values(linear), first)  # the kept tensor
+        assert _same_tensors(parameter_values([linear]), first)  # the kept tensor
     with disable_onloading():
-        assert _same_tensors(parameter_values(linear), _reads(linear))  # the offloaded one
-    assert [p.device.type for p in parameter_values(linear)] == ["meta"]  # onloaded anew
+        assert _same_tensors(parameter_values([linear]), _reads(linear))  # the offloaded one
+    assert [p.device.type for p in parameter_values([linear])] == ["meta"]  # onloaded anew
 
 
 # ------------------------------------------------------------------ replicas

@@ -264,7 +264,7 @@ class ShippedGroupedExperts(StockOrderGroupedExperts):
     def frozen_tensors(self) -> list[torch.Tensor]:
         """The replica's copies of the wrapped weights and biases (re-copied: refresh)."""
         gate_up, down = _qdq_groups(self.experts)
-        return [p for w in gate_up + down for p in parameter_values(w._modules["orig_layer"])]
+        return parameter_values([w._modules["orig_layer"] for w in gate_up + down])
 
     def stacks(self) -> ExpertStacks:
         raise RuntimeError(

@@ -176,8 +176,7 @@ class StackedQdq:
 
         Read through the module dicts: this runs on every call to detect changes.
         """
-        layers = [w._modules["orig_layer"] for w in self.wrappers]
-        tensors = [p for layer in layers for p in parameter_values(layer)]
+        tensors = parameter_values([w._modules["orig_layer"] for w in self.wrappers])
         if self.weight_min is not None:
             tensors += [w.__dict__["weight_min"] for w in self.wrappers]
             tensors += [w.__dict__["weight_max"] for w in self.wrappers]

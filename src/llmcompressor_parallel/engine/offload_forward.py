@@ -10,7 +10,7 @@ modules must know that wrapper to reproduce it (the input move) or refuse to run
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -87,30 +87,40 @@ def _normalized(device: torch.device | str) -> torch.device:
     return device
 
 
-def parameter_values(module: nn.Module) -> list[torch.Tensor]:
-    """`module`'s parameters as `module._parameters.values()` reads them, Nones left out.
+def parameter_values(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """`modules`' parameters as `module._parameters.values()` reads them, Nones left out.
 
-    Asked for hundreds of expert weights on every grouped call (grouped_autoround's
-    change check). Through an `OffloadCache` each read is a Python `__getitem__` that,
-    while offloading is disabled (the pipeline's passes), hashes the offloaded tensor
-    twice to find the onloaded one kept for it; here that kept tensor is taken with one
-    look-up, and any other case (nothing kept yet, onloading disabled, a subclass's
-    own `__getitem__`) reads through the cache itself, so the tensors are the same.
+    Asked for hundreds of expert Linears on every grouped call (grouped_autoround's
+    change check), so one call for all of them. Through an `OffloadCache` each read is
+    a Python `__getitem__` that, while offloading is disabled (the pipeline's passes),
+    hashes the offloaded tensor twice to find the onloaded one kept for it; here that
+    kept tensor is taken with one look-up, and any other case (nothing kept yet,
+    onloading disabled, a subclass's own `__getitem__`) reads through the cache
+    itself, so the tensors are the same.
     """
-    parameters = module._parameters
-    if type(parameters) is dict or not isinstance(parameters, OffloadCache):
-        return [p for p in parameters.values() if p is not None]
+    values: list[torch.Tensor] = []
+    for module in modules:
+        parameters = module._parameters
+        if type(parameters) is dict or not isinstance(parameters, OffloadCache):
+            values += [p for p in parameters.values() if p is not None]
+        else:
+            values += _cache_values(parameters)
+    return values
+
+
+def _cache_values(cache: OffloadCache) -> list[torch.Tensor]:
+    """`cache.values()` without Nones; the kept onloaded tensors read directly."""
     if (
-        type(parameters).__getitem__ is not OffloadCache.__getitem__
-        or parameters.onloading_disabled
-        or not parameters.offloading_disabled
+        type(cache).__getitem__ is not OffloadCache.__getitem__
+        or cache.onloading_disabled
+        or not cache.offloading_disabled
     ):
-        return [p for p in parameters.values() if p is not None]
-    kept = parameters.keep_onloaded_values
+        return [p for p in cache.values() if p is not None]
+    kept = cache.keep_onloaded_values
     values = []
-    for name, offloaded in parameters.offloaded_values.items():
+    for name, offloaded in cache.offloaded_values.items():
         if offloaded is None:
             continue
         onloaded = kept.get(offloaded)
-        values.append(parameters[name] if onloaded is None else onloaded)
+        values.append(cache[name] if onloaded is None else onloaded)
     return values
