@@ -101,10 +101,12 @@ def parameter_values(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
     values: list[torch.Tensor] = []
     for module in modules:
         parameters = module._parameters
-        if type(parameters) is dict or not isinstance(parameters, OffloadCache):
-            values += [p for p in parameters.values() if p is not None]
-        else:
+        if type(parameters) is not dict and isinstance(parameters, OffloadCache):
             values += _cache_values(parameters)
+            continue
+        for value in parameters.values():  # a plain loop: no comprehension call per module
+            if value is not None:
+                values.append(value)
     return values
 
 
