@@ -62,13 +62,13 @@ from llmcompressor_parallel.engine.grouped_autoround_forward import (
 )
 from llmcompressor_parallel.engine.grouped_experts import unsupported_reason
 from llmcompressor_parallel.engine.grouped_ops import Backend
-from llmcompressor_parallel.engine.hooks import global_hooks, has_hooks
+from llmcompressor_parallel.engine.hooks import any_hooks, global_hooks
 from llmcompressor_parallel.engine.offload_forward import (
     is_offload_wrapper,
-    offload_inner_forward,
-    offload_onload_device,
+    parameter_values,
     same_device,
     send_like_offload,
+    wrapper_target,
 )
 from llmcompressor_parallel.engine.replicate import NotReplicable, ReplicaSet
 
@@ -119,19 +119,28 @@ def _patched_forward(module: nn.Module) -> bool:
     compressed-tensors' offloading wrapper around either (the sequential pipeline's
     passes; its input move is reproduced or checked: `_Site.forward`, `_call_reason`).
     """
+    return _forward_state(module)[0]
+
+
+def _forward_state(module: nn.Module) -> tuple[bool, torch.device | str | None]:
+    """(`_patched_forward(module)`, `offload_onload_device(module)`) from one look at the
+    instance forward: asked for hundreds of modules per call, and both first ask
+    whether it is compressed-tensors' offloading wrapper."""
     forward = module.__dict__.get("forward")
     if forward is None:
-        return False
-    inner = offload_inner_forward(module)
+        return False, None
+    inner = None
+    if is_offload_wrapper(module, forward):
+        inner = module.__dict__.get("_original_forward_func")
     if inner is not None:
-        return not _runs_own_forward(module, inner)
+        return not _runs_own_forward(module, inner), wrapper_target(module)
     if not isinstance(forward, types.MethodType) or forward.__self__ is not module:
-        return True
-    return not _runs_own_forward(module, forward.__func__)
+        return True, None
+    return not _runs_own_forward(module, forward.__func__), None
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+    return tuple([(id(t), t.data_ptr(), t._version) for t in tensors])
 
 
 @dataclass
@@ -158,8 +167,7 @@ class _Plan:
         runner = self.runner
         if isinstance(runner, (QuantizedGroupedExperts, ShippedGroupedExperts)):
             return runner.frozen_tensors()
-        params = (m._parameters.values() for m in projections(runner.experts))
-        return [p for group in params for p in group if p is not None]
+        return parameter_values(projections(runner.experts))
 
     def refresh_if_changed(self) -> None:
         """Rebuild the stacks when weights were written in place (unwrap) or re-copied."""
@@ -235,15 +243,12 @@ def _module_reason(plan: _Plan, device_type: str) -> str | None:
     if runner.gate_up_bias is not None and torch.is_autocast_enabled(device_type):
         # stock's biased linear stays in the autocast dtype; the grouped bias add would promote
         return "biased projections under autocast"
-    if any(has_hooks(m) for m in plan.hooked):
+    if any_hooks(plan.hooked):
         return "a hook is registered on an expert or one of its projections"
-    if any(_patched_forward(m) for m in plan.called):
+    states = list(map(_forward_state, plan.called))
+    if any(patched for patched, _ in states):
         return "an expert's or projection's forward is replaced (active quantization, a patch)"
-    elsewhere = {
-        str(device)
-        for device in map(offload_onload_device, plan.called)
-        if device is not None and not same_device(device, runner.device)
-    }
+    elsewhere = _onload_elsewhere({target for _, target in states}, runner.device)
     if elsewhere:
         return (
             f"expert modules onload their inputs to {', '.join(sorted(elsewhere))}, "
@@ -252,6 +257,13 @@ def _module_reason(plan: _Plan, device_type: str) -> str | None:
     if global_hooks():
         return "global module hooks are registered"
     return None
+
+
+def _onload_elsewhere(targets: set, device: torch.device) -> set[str]:
+    """Which of `targets` (where offloading wrappers move inputs; None: nowhere) are
+    other devices than `device`. `same_device` builds torch.devices: asked once per
+    distinct target, not once per module (hundreds, on every call)."""
+    return {str(t) for t in targets if t is not None and not same_device(t, device)}
 
 
 def _call_backend(plan: _Plan, hidden_states: torch.Tensor) -> str:

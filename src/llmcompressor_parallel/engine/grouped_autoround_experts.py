@@ -23,6 +23,7 @@ from llmcompressor_parallel.engine.grouped_autoround_forward import ExpertStacks
 from llmcompressor_parallel.engine.grouped_autoround_qdq import StackedQdq, group_unsupported_reason
 from llmcompressor_parallel.engine.grouped_experts import _STOCK_EXPERT_FORWARDS, GroupedExperts
 from llmcompressor_parallel.engine.grouped_ops import Backend
+from llmcompressor_parallel.engine.offload_forward import parameter_values
 
 __all__ = [
     "QuantizedGroupedExperts",
@@ -263,8 +264,7 @@ class ShippedGroupedExperts(StockOrderGroupedExperts):
     def frozen_tensors(self) -> list[torch.Tensor]:
         """The replica's copies of the wrapped weights and biases (re-copied: refresh)."""
         gate_up, down = _qdq_groups(self.experts)
-        return [p for w in gate_up + down for p in w._modules["orig_layer"]._parameters.values()
-                if p is not None]
+        return parameter_values([w._modules["orig_layer"] for w in gate_up + down])
 
     def stacks(self) -> ExpertStacks:
         raise RuntimeError(

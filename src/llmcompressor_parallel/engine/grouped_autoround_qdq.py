@@ -21,6 +21,7 @@ from torch import nn
 
 from auto_round.wrapper import WrapperLinear
 from llmcompressor_parallel.engine.hooks import has_hooks
+from llmcompressor_parallel.engine.offload_forward import parameter_values
 
 __all__ = [
     "ROW_SEPARABLE_DATA_TYPES",
@@ -175,8 +176,7 @@ class StackedQdq:
 
         Read through the module dicts: this runs on every call to detect changes.
         """
-        layers = [w._modules["orig_layer"] for w in self.wrappers]
-        tensors = [p for layer in layers for p in layer._parameters.values() if p is not None]
+        tensors = parameter_values([w._modules["orig_layer"] for w in self.wrappers])
         if self.weight_min is not None:
             tensors += [w.__dict__["weight_min"] for w in self.wrappers]
             tensors += [w.__dict__["weight_max"] for w in self.wrappers]

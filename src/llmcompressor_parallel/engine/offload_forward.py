@@ -10,7 +10,7 @@ modules must know that wrapper to reproduce it (the input move) or refuse to run
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ __all__ = [
     "is_offload_wrapper",
     "offload_inner_forward",
     "offload_onload_device",
+    "parameter_values",
     "same_device",
     "send_like_offload",
     "wrapper_target",
@@ -84,3 +85,44 @@ def _normalized(device: torch.device | str) -> torch.device:
     if device.type != "cpu" and device.index is None and torch.accelerator.is_available():
         return torch.device(device.type, torch.accelerator.current_device_index())
     return device
+
+
+def parameter_values(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """`modules`' parameters as `module._parameters.values()` reads them, Nones left out.
+
+    Asked for hundreds of expert Linears on every grouped call (grouped_autoround's
+    change check), so one call for all of them. Through an `OffloadCache` each read is
+    a Python `__getitem__` that, while offloading is disabled (the pipeline's passes),
+    hashes the offloaded tensor twice to find the onloaded one kept for it; here that
+    kept tensor is taken with one look-up, and any other case (nothing kept yet,
+    onloading disabled, a subclass's own `__getitem__`) reads through the cache
+    itself, so the tensors are the same.
+    """
+    values: list[torch.Tensor] = []
+    for module in modules:
+        parameters = module._parameters
+        if type(parameters) is not dict and isinstance(parameters, OffloadCache):
+            values += _cache_values(parameters)
+            continue
+        for value in parameters.values():  # a plain loop: no comprehension call per module
+            if value is not None:
+                values.append(value)
+    return values
+
+
+def _cache_values(cache: OffloadCache) -> list[torch.Tensor]:
+    """`cache.values()` without Nones; the kept onloaded tensors read directly."""
+    if (
+        type(cache).__getitem__ is not OffloadCache.__getitem__
+        or cache.onloading_disabled
+        or not cache.offloading_disabled
+    ):
+        return [p for p in cache.values() if p is not None]
+    kept = cache.keep_onloaded_values
+    values = []
+    for name, offloaded in cache.offloaded_values.items():
+        if offloaded is None:
+            continue
+        onloaded = kept.get(offloaded)
+        values.append(cache[name] if onloaded is None else onloaded)
+    return values

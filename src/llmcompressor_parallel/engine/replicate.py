@@ -20,6 +20,7 @@ then runs the layer serially, saying why.
 from __future__ import annotations
 
 import types
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -44,6 +45,16 @@ _HOOK_DICTS = (
 )
 
 
+# types whose instances are never tensors: most values of a module's `__dict__`, where
+# isinstance(value, torch.Tensor) takes ~0.1 us each for a non-tensor (torch's metaclass)
+_NOT_TENSORS = frozenset(
+    {
+        bool, int, float, str, type(None), dict, OrderedDict, set, list, tuple,
+        types.MethodType, types.FunctionType, torch.dtype, torch.device,
+    }
+)
+
+
 class NotReplicable(Exception):
     """The layer holds something a replica cannot safely reproduce."""
 
@@ -63,6 +74,33 @@ def _own_and_child_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 
 def _fingerprint(tensor: torch.Tensor) -> tuple:
     return (id(tensor), tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype)
+
+
+def _walk(root: nn.Module) -> list[nn.Module]:
+    """`list(root.modules())` (pre-order, each module once, None children skipped)
+    without the dotted names `named_modules` builds for every module."""
+    seen: set[nn.Module] = set()
+    order, stack = [], [root]
+    while stack:
+        module = stack.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        order.append(module)
+        stack.extend(reversed([child for child in module._modules.values() if child is not None]))
+    return order
+
+
+def _tensor_attributes(module: nn.Module) -> tuple[str, ...]:
+    """The names of `module`'s plain tensor attributes (`__dict__` values that are
+    tensors), not asking isinstance about values of the `_NOT_TENSORS` types."""
+    return tuple(
+        [
+            name
+            for name, value in module.__dict__.items()
+            if type(value) not in _NOT_TENSORS and isinstance(value, torch.Tensor)
+        ]
+    )
 
 
 def _is_device_value(value: Any, device: torch.device) -> bool:
@@ -103,34 +141,36 @@ class ReplicaSet:
         self.home = home
         self.devices = list(devices)
         self._root_forward = root_forward  # the forward that replicas of the root run
-        self._structure: tuple | None = None
+        self._structure: list[tuple] | None = None
         self._home_modules: list[nn.Module] = []
         self._slots: list[_Slot] = []
+        self._frozen: list[int] = []  # indices of the slots not trainable
         self._fingerprints: list[tuple] = []
         self._replicas: list[_Replica | None] = []
         self.rebuilds = 0
 
     # ---------------------------------------------------------------- structure
-    def _current_structure(self) -> tuple:
+    def _current_structure(self) -> list[tuple]:
+        """What a rebuild depends on, per module of the home tree: its children, its
+        parameters (and whether each is trainable), its buffers, the names of its
+        tensor attributes. Compared on every fanned-out call, so built flat: names and
+        ids as separate tuples made in C, and `_walk` instead of `modules()`."""
         entries = []
-        for module in self.home.modules():
+        for module in _walk(self.home):
+            children, parameters, buffers = module._modules, module._parameters, module._buffers
             entries.append(
                 (
                     id(module),
-                    tuple((name, id(child)) for name, child in module._modules.items()),
-                    tuple(
-                        (name, None if p is None else (id(p), p.requires_grad))
-                        for name, p in module._parameters.items()
-                    ),
-                    tuple((name, id(b)) for name, b in module._buffers.items()),
-                    tuple(
-                        name
-                        for name, value in module.__dict__.items()
-                        if isinstance(value, torch.Tensor)
-                    ),
+                    tuple(children),
+                    tuple(map(id, children.values())),
+                    tuple(parameters),
+                    tuple([None if p is None else (id(p), p.requires_grad) for p in parameters.values()]),
+                    tuple(buffers),
+                    tuple(map(id, buffers.values())),
+                    _tensor_attributes(module),
                 )
             )
-        return tuple(entries)
+        return entries
 
     def sync(self) -> None:
         """Bring every replica up to date with the home layer."""
@@ -139,11 +179,11 @@ class ReplicaSet:
             self._build()
             self._structure = structure
             return
+        slots, fingerprints = self._slots, self._fingerprints
         changed = [
             index
-            for index, slot in enumerate(self._slots)
-            if not slot.trainable
-            and _fingerprint(self._home_tensor(slot)) != self._fingerprints[index]
+            for index in self._frozen
+            if _fingerprint(self._home_tensor(slots[index])) != fingerprints[index]
         ]
         if changed:
             self._copy_frozen(changed)
@@ -151,6 +191,7 @@ class ReplicaSet:
     def release(self) -> None:
         self._replicas = []
         self._slots = []
+        self._frozen = []
         self._fingerprints = []
         self._home_modules = []
         self._structure = None
@@ -188,7 +229,8 @@ class ReplicaSet:
                 continue
             self._replicas.append(self._replicate_structure(device, home_device))
         self._fingerprints = [() for _ in self._slots]
-        self._copy_frozen([i for i, slot in enumerate(self._slots) if not slot.trainable])
+        self._frozen = [i for i, slot in enumerate(self._slots) if not slot.trainable]
+        self._copy_frozen(self._frozen)
 
     def _replicate_structure(self, device: torch.device, home_device: torch.device | None) -> _Replica:
         mapping: dict[int, nn.Module] = {}
