@@ -259,7 +259,7 @@ def _module_reason(plan: _Plan, device_type: str) -> str | None:
     return None
 
 
-def _onload_elsewhere(targets: set, device: torch.device) -> set[str]:
+def _onload_elsewhere(targets: set[torch.device | str | None], device: torch.device) -> set[str]:
     """Which of `targets` (where offloading wrappers move inputs; None: nowhere) are
     other devices than `device`. `same_device` builds torch.devices: asked once per
     distinct target, not once per module (hundreds, on every call)."""

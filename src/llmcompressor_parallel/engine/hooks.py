@@ -49,7 +49,7 @@ def has_hooks(module: nn.Module) -> bool:
 def any_hooks(modules: Iterable[nn.Module]) -> bool:
     """`any(has_hooks(m) for m in modules)` in one flat loop over the instance dicts,
     where `nn.Module.__init__` puts the hook dicts: asked for every expert module on
-    every grouped call (grouped_autoround), at a fifth of the cost."""
+    every grouped call (grouped_autoround), at about a third of the cost."""
     return any(
         d.get("_forward_hooks") or d.get("_forward_pre_hooks")
         or d.get("_backward_hooks") or d.get("_backward_pre_hooks")

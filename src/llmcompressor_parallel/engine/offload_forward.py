@@ -112,8 +112,11 @@ def parameter_values(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
 
 def _cache_values(cache: OffloadCache) -> list[torch.Tensor]:
     """`cache.values()` without Nones; the kept onloaded tensors read directly."""
+    cls = type(cache)
     if (
-        type(cache).__getitem__ is not OffloadCache.__getitem__
+        cls.__getitem__ is not OffloadCache.__getitem__
+        or cls.__iter__ is not OffloadCache.__iter__
+        or cls.values is not OffloadCache.values
         or cache.onloading_disabled
         or not cache.offloading_disabled
     ):

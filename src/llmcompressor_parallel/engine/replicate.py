@@ -80,7 +80,8 @@ def _walk(root: nn.Module) -> list[nn.Module]:
     """`list(root.modules())` (pre-order, each module once, None children skipped)
     without the dotted names `named_modules` builds for every module."""
     seen: set[nn.Module] = set()
-    order, stack = [], [root]
+    order: list[nn.Module] = []
+    stack = [root]
     while stack:
         module = stack.pop()
         if module in seen:
