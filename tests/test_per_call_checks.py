@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from torch import nn
 from compressed_tensors.offload import disable_offloading, disable_onloading
 from test_autoround_capture import block_input, calibration_call, offloaded_block
 from test_grouped_autoround import inputs, wrapped_block, wrappers
@@ -27,7 +28,9 @@ from llmcompressor_parallel.engine import grouped_autoround
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
 from llmcompressor_parallel.engine.hooks import any_hooks, has_hooks
 from llmcompressor_parallel.engine.offload_forward import offload_onload_device, parameter_values
-from llmcompressor_parallel.engine.replicate import ReplicaSet, _tensor_attributes, _walk
+from llmcompressor_parallel.engine.hooks import foreign_hooks
+from llmcompressor_parallel.engine.module_walk import walk_modules
+from llmcompressor_parallel.engine.replicate import ReplicaSet, _tensor_attributes
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -291,7 +294,7 @@ def test_walk_is_modules_order_with_shared_and_missing_children():
     layer.mlp.shared = layer.self_attn.q_proj  # seen twice: listed once, where first met
     layer.mlp.missing = None
     layer.self_attn.register_module("nothing", None)
-    assert [id(m) for m in _walk(layer)] == [id(m) for m in layer.modules()]
+    assert [id(m) for m in walk_modules(layer)] == [id(m) for m in layer.modules()]
 
 
 class _TensorSubclass(torch.Tensor):
@@ -339,3 +342,18 @@ def test_replica_set_rebuilds_exactly_when_the_structure_changes(name):
     assert replicas.rebuilds == 2
     replicas.sync()
     assert replicas.rebuilds == 2
+
+
+def test_foreign_hooks_names_hooks_inside_the_layer_only_and_global_ones():
+    layer = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    layer.register_forward_hook(lambda *args: None)  # on the layer itself: not foreign
+    assert foreign_hooks(layer) == []
+    handle = layer[1][1].register_forward_pre_hook(lambda *args: None)
+    assert len(found := foreign_hooks(layer)) == 1 and found[0].endswith("on 1.1")
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert len(foreign_hooks(layer)) == 1
+    finally:
+        handle.remove()
+    assert foreign_hooks(layer) == []

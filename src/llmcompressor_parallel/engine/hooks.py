@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from llmcompressor_parallel.engine.module_walk import walk_modules
+
 __all__ = [
     "GLOBAL_HOOK_DICTS",
     "MODULE_HOOK_DICTS",
@@ -67,7 +69,12 @@ def global_hooks() -> list[str]:
 
 
 def foreign_hooks(layer: nn.Module) -> list[str]:
-    """Human-readable descriptions of hooks inside `layer` (its submodules) or global ones."""
+    """Human-readable descriptions of hooks inside `layer` (its submodules) or global ones.
+
+    Asked before every fanned-out call: a flat look first, names only when one is found.
+    """
+    if not any_hooks(m for m in walk_modules(layer) if m is not layer):
+        return global_hooks()
     found = []
     for name, module in layer.named_modules():
         if module is layer:

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import comm
 
+from llmcompressor_parallel.engine.module_walk import walk_modules
+
 __all__ = ["NotReplicable", "ReplicaSet", "copy_detached", "module_device"]
 
 _HOOK_DICTS = (
@@ -74,22 +76,6 @@ def _own_and_child_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 
 def _fingerprint(tensor: torch.Tensor) -> tuple:
     return (id(tensor), tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype)
-
-
-def _walk(root: nn.Module) -> list[nn.Module]:
-    """`list(root.modules())` (pre-order, each module once, None children skipped)
-    without the dotted names `named_modules` builds for every module."""
-    seen: set[nn.Module] = set()
-    order: list[nn.Module] = []
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        order.append(module)
-        stack.extend(reversed([child for child in module._modules.values() if child is not None]))
-    return order
 
 
 def _tensor_attributes(module: nn.Module) -> tuple[str, ...]:
@@ -157,7 +143,7 @@ class ReplicaSet:
         tensor attributes. Compared on every fanned-out call, so built flat: names and
         ids as separate tuples made in C, and `_walk` instead of `modules()`."""
         entries = []
-        for module in _walk(self.home):
+        for module in walk_modules(self.home):
             children, parameters, buffers = module._modules, module._parameters, module._buffers
             entries.append(
                 (
