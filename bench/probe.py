@@ -262,6 +262,11 @@ def gptq_rowsplit(args: argparse.Namespace, work: Path, out: Path) -> None:
     quant_args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
 
     def run(weights, hessians, scale, zero, device):
+        # Triton launches on the current device: make it the tensors' one
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return _run(weights, hessians, scale, zero, device)
+
+    def _run(weights, hessians, scale, zero, device):
         return quantize_weight(weights.to(device), hessians.to(device, copy=True), scale.to(device), zero.to(device),
                                None, quant_args, blocksize=128, percdamp=0.01)
 
