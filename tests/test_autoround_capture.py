@@ -263,3 +263,4 @@ def test_parallel_capture_gives_the_serial_run_bit_for_bit(tmp_path):
     assert sum("input capture ran on 2 devices" in line for line in lines) == 3
     assert all(calls == (SAMPLES, 0) for calls in ours._capture.counts.values())
     assert ours._part_capture is None and ours._worker_guard is None
+    assert not ours._in_parallel_pipeline  # forgotten at the end: a reused modifier asks again

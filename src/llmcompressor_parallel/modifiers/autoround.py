@@ -335,8 +335,13 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         return super().on_finalize(state, **kwargs)
 
     def close_workers(self) -> None:
-        """Stop the worker threads and end every grouped capture (idempotent)."""
+        """Stop the worker threads and end every grouped capture (idempotent).
+
+        Also forgets the pipeline: a modifier reused in another oneshot must find out
+        again which pipeline it runs under (its worker guard depends on it).
+        """
         self._close_capture(None)
+        self._in_parallel_pipeline = False
         self.stop_workers()
 
     def _close_capture(self, layers: list[nn.Module] | None) -> None:
