@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from compressed_tensors.offload.dist_utils import is_distributed
@@ -14,6 +14,7 @@ from llmcompressor_parallel.engine.devices import (
     resolve_devices,
     validate_data_parallel,
 )
+from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 from llmcompressor_parallel.engine.rank_devices import (
     check_disjoint_across_ranks,
     resolve_rank_devices,
@@ -54,17 +55,38 @@ class DataParallelOptions(BaseModel):
         return validate_data_parallel(value)
 
     def stop_workers(self) -> None:
-        """Remove the worker guard and stop the pool's threads (idempotent).
+        """Remove the worker guard and stop the pool's threads (idempotent); forget the
+        pipeline, which a modifier reused in another run must find out again.
 
-        Both modifiers hold `_pool` (a `DeviceWorkerPool`) and `_worker_guard` (the
-        forward-error hooks that stop it when a layer raises, `worker_guard`).
+        Both modifiers hold `_pool` (a `DeviceWorkerPool`), `_worker_guard` (the
+        forward-error hooks that stop it when a layer raises, `worker_guard`) and
+        `_in_parallel_pipeline`.
         """
+        self._in_parallel_pipeline = False
         guard, self._worker_guard = self._worker_guard, None
         if guard is not None:
             guard.remove()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+    # ------------------------------------------------------------ "parallel_sequential"
+    # the part of calibration_pipeline's ParallelCalibrationParticipant protocol both
+    # modifiers share; `merged_hook` names the modifier's own hook method that the
+    # pipeline may run per replica and the modifier merges
+    merged_hook: ClassVar[str]
+
+    def join_parallel_pipeline(self) -> None:
+        self._in_parallel_pipeline = True
+
+    def parallel_calibration_pool(self) -> DeviceWorkerPool | None:
+        return self._pool
+
+    def merges_hook(self, hook: Callable) -> bool:
+        """Only this modifier's own `merged_hook`, bound to it (not e.g. its observers')."""
+        return getattr(hook, "__self__", None) is self and getattr(
+            hook, "__func__", None
+        ) is getattr(type(self), self.merged_hook)
 
     def resolve_parallel_devices(self) -> list[torch.device] | None:
         """This process's devices (this rank's, under torch.distributed), or None: serial.

@@ -43,7 +43,7 @@ import contextlib
 import functools
 import time
 from collections import Counter
-from typing import Any, Callable, ClassVar, ContextManager, Mapping, NamedTuple, Sequence
+from typing import Any, ClassVar, ContextManager, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     grouped_experts: bool = True
 
     composes_with_torch_distributed: ClassVar[bool] = True
+    merged_hook: ClassVar[str] = "calibrate_module"
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -170,7 +171,6 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     def on_calibration_end(self, state: State, event: Event, **kwargs):
         self._release_grouped(export_pending=True)
         self.close_workers()
-        self._in_parallel_pipeline = False
         super().on_calibration_end(state, event, **kwargs)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
@@ -184,7 +184,6 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         again which pipeline it runs under.
         """
         self._release_grouped(export_pending=False)
-        self._in_parallel_pipeline = False
         self.stop_workers()
 
     def _release_grouped(self, export_pending: bool) -> None:
@@ -209,20 +208,8 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         )
 
     # ------------------------------------------------------------ calibration
-    # (the ParallelCalibrationParticipant protocol of `calibration_pipeline`)
-    def join_parallel_pipeline(self) -> None:
-        self._in_parallel_pipeline = True
-
-    def parallel_calibration_pool(self) -> DeviceWorkerPool | None:
-        return self._pool
-
-    def merges_hook(self, hook: Callable) -> bool:
-        """Only this modifier's own Hessian hook: its observers' hooks are not merged."""
-        return (
-            getattr(hook, "__self__", None) is self
-            and getattr(hook, "__func__", None) is type(self).calibrate_module
-        )
-
+    # (the ParallelCalibrationParticipant protocol of `calibration_pipeline`; its
+    # common part is DataParallelOptions')
     def begin_parallel_calibration(
         self, modules: Sequence[nn.Module], parts: Sequence[Mapping[nn.Module, nn.Module]]
     ) -> None:
