@@ -13,7 +13,7 @@ layer stops it from `apply_autoround`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Sequence
+from typing import Any, ClassVar, ContextManager, Iterator, Literal, Mapping, Sequence
 
 import torch
 from compressed_tensors.utils import get_execution_device
@@ -72,6 +72,8 @@ ParallelBatch = Literal["split", "per_replica"]
 _PARALLEL_BATCH_VALUES = ("split", "per_replica")
 ExpertTokens = Literal["auto", "all", "routed"]
 _EXPERT_TOKENS: dict[str, TokenMode] = {"auto": "auto", "all": True, "routed": False}
+# a captured input kept where it is (copied on its device) instead of stock's copy to host
+_KEPT_ON_OWN_DEVICE = kept_on(None)
 
 
 class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
@@ -135,6 +137,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         `grouped_expert_tokens="auto"` the tokens are then chosen by memory, not
         "routed"); on routed tokens or without qdq once they keep per-replica sums.
     """
+
+    merged_hook: ClassVar[str] = "input_capture_hook"
 
     parallel_batch: ParallelBatch = "split"
     keep_cache_on_gpu: bool | None = None
@@ -208,7 +212,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         if self._part_capture is not None:
             return  # a data-parallel capture pass records per part (autoround_parallel_capture.py)
         if self._keeps_cache_on_gpu(module):
-            keep = _kept_on_own_device
+            keep = _KEPT_ON_OWN_DEVICE
             inputs = self._all_module_input.setdefault(module._tmp_name, [])
             inputs.append((tree_map(keep, args), tree_map(keep, kwargs)))
         else:
@@ -217,20 +221,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             self._capture.opened(module)
 
     # ------------------------------------------------------------ data-parallel capture
-    # (the ParallelCalibrationParticipant protocol of `calibration_pipeline`)
-    def join_parallel_pipeline(self) -> None:
-        self._in_parallel_pipeline = True
-
-    def parallel_calibration_pool(self) -> DeviceWorkerPool | None:
-        return self._pool
-
-    def merges_hook(self, hook: Callable) -> bool:
-        """Only this modifier's own capture hook."""
-        return (
-            getattr(hook, "__self__", None) is self
-            and getattr(hook, "__func__", None) is type(self).input_capture_hook
-        )
-
+    # (the ParallelCalibrationParticipant protocol of `calibration_pipeline`; its
+    # common part is DataParallelOptions')
     def begin_parallel_calibration(
         self, modules: Sequence[nn.Module], parts: Sequence[Mapping[nn.Module, nn.Module]]
     ) -> None:
@@ -341,7 +333,6 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         again which pipeline it runs under (its worker guard depends on it).
         """
         self._close_capture(None)
-        self._in_parallel_pipeline = False
         self.stop_workers()
 
     def _close_capture(self, layers: list[nn.Module] | None) -> None:
@@ -412,11 +403,3 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
             yield
         finally:
             stock_autoround.AutoRound = real_factory
-
-
-def _kept_on_own_device(value: Any) -> Any:
-    """A captured input as stock keeps it, but on its own device: stock's
-    `detach().cpu()` copies device tensors and leaves host tensors uncopied."""
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return kept_on(value.device)(value)
-    return kept_on_host(value)

@@ -79,14 +79,17 @@ def kept_on_host(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def kept_on(device: torch.device) -> Keep:
-    """A captured value kept on `device` (the home layer's), copied there from any
-    device; host tensors stay uncopied, as stock's `detach().cpu()` leaves them."""
+def kept_on(device: torch.device | None) -> Keep:
+    """A captured value kept on `device` (the home layer's; None: its own device),
+    copied there from any device; host tensors stay uncopied, as stock's
+    `detach().cpu()` leaves them."""
 
     def keep(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         value = value.detach()
-        return value if value.device.type == "cpu" else value.to(device, copy=True)
+        if value.device.type == "cpu":
+            return value
+        return value.to(value.device if device is None else device, copy=True)
 
     return keep
