@@ -156,7 +156,7 @@ def autoround_profile(args: argparse.Namespace, work: Path) -> None:
 
 
 def _profiled_window(out: Path, label: str, args: argparse.Namespace):
-    """A cProfile window and the `patched` makers that open and close it."""
+    """A cProfile window: its state, start and stop, a call run inside it, the report."""
     import cProfile
 
     state: dict[str, Any] = {"calls": 0, "open": False}
@@ -173,6 +173,13 @@ def _profiled_window(out: Path, label: str, args: argparse.Namespace):
             state["profiler"].disable()
             state["wall"] = time.perf_counter() - state["start"]
 
+    def profiled_call(real: Callable, *args: Any, **kwargs: Any) -> Any:
+        start()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            stop()
+
     def report() -> None:
         import pstats
 
@@ -183,7 +190,7 @@ def _profiled_window(out: Path, label: str, args: argparse.Namespace):
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
 
-    return state, start, stop, report
+    return state, start, stop, profiled_call, report
 
 
 def autoround_window(args: argparse.Namespace, work: Path, out: Path) -> None:
@@ -195,7 +202,7 @@ def autoround_window(args: argparse.Namespace, work: Path, out: Path) -> None:
         exact_gradients=args.exact == "on", **COMMON,
     )
     label = args.probe
-    state, start, stop, report = _profiled_window(out, label, args)
+    state, start, stop, profiled_call, report = _profiled_window(out, label, args)
 
     def epoch_end(real: Callable) -> Callable:  # the third subgraph: the second decoder layer
         def profiled(self, *call_args, **call_kwargs):
@@ -208,11 +215,7 @@ def autoround_window(args: argparse.Namespace, work: Path, out: Path) -> None:
                 return result
             if state["calls"] != 3:
                 return real(self, *call_args, **call_kwargs)
-            start()
-            try:
-                return real(self, *call_args, **call_kwargs)
-            finally:
-                stop()
+            return profiled_call(real, self, *call_args, **call_kwargs)
 
         return profiled
 
@@ -226,17 +229,13 @@ def gptq_updates(args: argparse.Namespace, work: Path, out: Path) -> None:
     """cProfile of the last layer's GPTQ update phase (ours, parallel_sequential)."""
     model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
     recipe = ParallelGPTQExpertModifier(data_parallel=_devices(args.gpus) if args.gpus > 1 else "off", **COMMON)
-    state, start, stop, report = _profiled_window(out, "gptq-updates", args)
+    _state, _start, _stop, profiled_call, report = _profiled_window(out, "gptq-updates", args)
 
     def compress(real: Callable) -> Callable:
         def profiled(self, *call_args, **call_kwargs):  # the last call: the last layer
             if not self._hessians:
                 return real(self, *call_args, **call_kwargs)
-            start()
-            try:
-                return real(self, *call_args, **call_kwargs)
-            finally:
-                stop()
+            return profiled_call(real, self, *call_args, **call_kwargs)
 
         return profiled
 
