@@ -11,6 +11,12 @@ what grouped experts alone give on an MoE layer.
     python bench/bench_autoround.py --shapes qwen3-30b-a3b --gpus 1 2 --layers 1 --out bench/out
     python bench/bench_autoround.py --shapes qwen3-30b-a3b --gpus 1 2 --pipeline sequential parallel_sequential
 
+Per-layer times come from a `--phases coarse` run (the default): the GPUs are
+synchronised only at the edges of capture, reference, tuning and quantized-input.
+`--phases fine` also times the tuning loop's forward, backward and step, at the cost of
+three synchronisations an iteration: the host can no longer queue one part while the
+GPUs finish the last, so every configuration runs slower than it does unmeasured.
+
 `--pipeline parallel_sequential` runs ours on >= 2 GPUs under that pipeline (the layers'
 input-capture passes data-parallel too); its configs are named "-pp".
 """
@@ -80,7 +86,7 @@ def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: 
     torch.manual_seed(0)
     start = time.perf_counter()
     extra = {"pipeline": variant[4]} if len(variant) > 4 and variant[4] != "sequential" else {}
-    with autoround_phases(timer):
+    with autoround_phases(timer, fine=args.phases == "fine"):
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
                 recipe=_modifier(gpus, args, *variant[:4]), num_calibration_samples=args.samples,
                 max_seq_length=args.seq_len, output_dir=str(save_dir) if save_dir else None,
@@ -121,6 +127,9 @@ def main() -> None:
     parser.add_argument("--pipeline", nargs="+", choices=["sequential", "parallel_sequential"],
                         default=["sequential"], help="oneshot pipeline of ours on >= 2 GPUs "
                         "(parallel_sequential: capture passes data-parallel); several run in turn")
+    parser.add_argument("--phases", choices=["coarse", "fine"], default="coarse",
+                        help="fine: also time the tuning loop's forward/backward/step, which "
+                             "synchronises the GPUs three times an iteration and slows the layer")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")
@@ -151,6 +160,7 @@ def main() -> None:
             record = {
                 "bench": "autoround", "shape": shape, "config": name,
                 "gpus": gpus or 1, "samples": args.samples, "seq_len": args.seq_len, "iters": args.iters,
+                "phase_timing": args.phases,
                 "seconds_per_layer": round(seconds, 3),
                 "phases": {k: round(v, 3) for k, v in layer.items()},
                 "all_layers": [{k: round(v, 3) for k, v in l.items()} for l in timer.layers],

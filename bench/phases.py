@@ -62,7 +62,15 @@ def patched(owner: object, name: str, make: Callable[[Callable], Callable]) -> I
 
 
 @contextlib.contextmanager
-def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
+def autoround_phases(timer: PhaseTimer, fine: bool = False) -> Iterator[None]:
+    """Time an AutoRound run's phases (module docstring); `fine` adds the tuning loop's
+    parts (`tuning.forward`, `.backward`, `.step`, `.best_params`).
+
+    Every timed phase synchronises the GPUs at both edges. The coarse phases do so a
+    few times a layer; the fine ones three times an iteration, which stops the host
+    from queueing the next part while the GPUs finish the last: the layer then runs
+    slower than it does unmeasured. Read per-layer times from a coarse run.
+    """
     from auto_round.algorithms.block_runner import BlockForwardRunner
     from auto_round.algorithms.quantization.sign_round import quantizer as quantizer_module
     from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
@@ -73,6 +81,8 @@ def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
     def forward(original):
         def wrapper(self, block, inputs, input_others, indices=None, cache_device=None):
             if indices is not None:
+                if not fine:
+                    return original(self, block, inputs, input_others, indices, cache_device)
                 with timer.timed("tuning.forward"):
                     return original(self, block, inputs, input_others, indices, cache_device)
             phase = "reference" if full_passes["count"] % 2 == 0 else "quantized_input"
@@ -104,13 +114,14 @@ def autoround_phases(timer: PhaseTimer) -> Iterator[None]:
         timer.losses = stack.enter_context(block_losses())
         stack.enter_context(patched(BlockForwardRunner, "forward", forward))
         stack.enter_context(patched(SignRoundQuantizer, "quantize_block", timed_as("tuning")))
-        stack.enter_context(
-            patched(SignRoundQuantizer, "_scale_loss_and_backward", timed_as("tuning.backward"))
-        )
-        stack.enter_context(patched(SignRoundQuantizer, "_step", timed_as("tuning.step")))
-        stack.enter_context(
-            patched(quantizer_module, "collect_best_params", timed_as("tuning.best_params"))
-        )
+        if fine:
+            stack.enter_context(
+                patched(SignRoundQuantizer, "_scale_loss_and_backward", timed_as("tuning.backward"))
+            )
+            stack.enter_context(patched(SignRoundQuantizer, "_step", timed_as("tuning.step")))
+            stack.enter_context(
+                patched(quantizer_module, "collect_best_params", timed_as("tuning.best_params"))
+            )
         stack.enter_context(patched(AutoRoundModifier, "on_sequential_epoch_end", epoch_end))
         timer._mark = time.perf_counter()
         yield

@@ -11,6 +11,15 @@ by GPU time and by host time, and the wall time to compare the GPUs' busy time w
 the Python functions by cumulative time; the stats file goes to --out for pstats.
 `autoround-capture`: the same over the second decoder layer's input-capture pass (the
 pipeline's calibration forwards between the first and the second layer's epoch ends).
+`autoround-timeline`: torch.profiler over tuning iterations --skip+1 .. --skip+--iters-window
+of the second decoder layer (no synchronisation inside): per GPU, the seconds it was busy
+(kernels and copies, overlaps counted once) against the window's wall time, its largest
+idle gaps, its top kernels; per host thread, the busy seconds of its top-level ops. Says
+whether an iteration waits on a GPU or on the host. The trace goes to --out, gzipped.
+`expert-split-bits`: whether cutting a layer's experts into ranges, one per GPU, keeps
+every bit: the all-token weight-gradient bmm of each range against the whole bmm's
+rows, and auto-round's int qdq (forward, and the gradients of value, min_scale and
+max_scale) of each range's stacked rows against the whole stack's.
 `gptq-updates`: the same over the last layer's GPTQ update phase (`compress_modules`).
 `gptq-rowsplit`: stock `quantize_weight` on one update batch against the same batch cut
 by rows over the GPUs (same Hessians on each): equal bits? and the seconds of each,
@@ -20,6 +29,8 @@ of the Hessian factorisation alone, and of the halves run at once from two threa
     python bench/probe.py autoround-profile --shape qwen3-30b-a3b --gpus 1 --iters 10
     python bench/probe.py autoround-host --shape qwen3-30b-a3b --gpus 1 --iters 50 --out bench/out
     python bench/probe.py autoround-capture --shape qwen3-30b-a3b --gpus 1 --iters 2 --out bench/out
+    python bench/probe.py autoround-timeline --shape qwen3-30b-a3b --gpus 2 --iters 20 --out bench/out
+    python bench/probe.py expert-split-bits --gpus 2
     python bench/probe.py gptq-updates --shape llama3-8b --gpus 2 --samples 16 --out bench/out
     python bench/probe.py gptq-rowsplit --gpus 2
 """
@@ -225,6 +236,168 @@ def autoround_window(args: argparse.Namespace, work: Path, out: Path) -> None:
     report()
 
 
+def autoround_timeline(args: argparse.Namespace, work: Path, out: Path) -> None:
+    """torch.profiler over a window of the second layer's tuning iterations, summarised."""
+    from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
+    from torch.profiler import ProfilerActivity, profile
+
+    model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
+    recipe = DataParallelAutoRoundModifier(
+        data_parallel=_devices(args.gpus) if args.gpus > 1 else "off", iters=args.iters, batch_size=8,
+        enable_torch_compile=False, **COMMON,
+    )
+    state: dict[str, Any] = {"steps": 0}
+    first, last = args.iters + args.skip, args.iters + args.skip + args.window  # layer 2's steps
+
+    def step(real: Callable) -> Callable:
+        def counted(self, *call_args, **call_kwargs):
+            result = real(self, *call_args, **call_kwargs)
+            state["steps"] += 1
+            if state["steps"] == first:
+                sync_gpus()
+                state["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                state["profiler"].__enter__()
+                state["start"] = time.perf_counter()
+            elif state["steps"] == last:
+                sync_gpus()
+                state["wall"] = time.perf_counter() - state["start"]
+                state["profiler"].__exit__(None, None, None)
+            return result
+
+        return counted
+
+    with patched(SignRoundQuantizer, "_step", step):
+        oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
+                recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len)
+    trace = out / f"autoround-timeline-{args.shape}-{args.gpus}gpu.json"
+    state["profiler"].export_chrome_trace(str(trace))
+    print(f"autoround-timeline: {args.window} iterations of layer 2, {state['wall']:.3f} s wall "
+          f"({state['wall'] / args.window * 1e3:.1f} ms an iteration) on {args.gpus} GPU(s)")
+    print(summarise_trace(trace, args.rows))
+    import gzip
+    import shutil
+
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+
+
+def _union_seconds(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Seconds covered by `spans` (microsecond start, end), and the gaps between them."""
+    busy, gaps, end = 0.0, [], None
+    for start, stop in sorted(spans):
+        if end is None or start > end:
+            if end is not None:
+                gaps.append(start - end)
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1e6, [gap / 1e6 for gap in gaps]
+
+
+def summarise_trace(path: Path, rows: int) -> str:
+    """Per GPU: busy seconds, largest gaps, top kernels; per host thread: busy seconds."""
+    import json
+
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    device_kinds = {"kernel", "gpu_memcpy", "gpu_memset"}
+    lines = []
+    window = [min(e["ts"] for e in events), max(e["ts"] + e.get("dur", 0) for e in events)]
+    lines.append(f"trace window {(window[1] - window[0]) / 1e6:.3f} s")
+    by_device: dict[Any, list] = collections.defaultdict(list)
+    for event in events:
+        if event.get("cat") in device_kinds:
+            by_device[event.get("args", {}).get("device")].append(event)
+    for device, kernels in sorted(by_device.items(), key=lambda item: str(item[0])):
+        busy, gaps = _union_seconds([(e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels])
+        gaps.sort(reverse=True)
+        lines.append(f"GPU {device}: busy {busy:.3f} s, {len(kernels)} kernels/copies; "
+                     f"gaps > 1 ms: {sum(g > 1e-3 for g in gaps)} totalling {sum(g for g in gaps if g > 1e-3):.3f} s; "
+                     f"largest {', '.join(f'{g * 1e3:.1f}' for g in gaps[:5])} ms")
+        totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        for e in kernels:
+            totals[e["name"][:90]][0] += e.get("dur", 0) / 1e6
+            totals[e["name"][:90]][1] += 1
+        for name, (seconds, count) in sorted(totals.items(), key=lambda item: -item[1][0])[:rows]:
+            lines.append(f"    {seconds:8.3f} s {count:6d}x  {name}")
+    by_thread: dict[Any, list] = collections.defaultdict(list)
+    for event in events:
+        if event.get("cat") in ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver"):
+            by_thread[event.get("tid")].append(event)
+    for thread, ops in sorted(by_thread.items(), key=lambda item: -len(item[1])):
+        busy, _ = _union_seconds([(e["ts"], e["ts"] + e.get("dur", 0)) for e in ops])
+        runtime = [e for e in ops if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+        runtime_busy, _ = _union_seconds([(e["ts"], e["ts"] + e.get("dur", 0)) for e in runtime])
+        lines.append(f"host thread {thread}: in ops {busy:.3f} s ({len(ops)} events), of it in the CUDA "
+                     f"runtime {runtime_busy:.3f} s ({len(runtime)} calls)")
+        totals = collections.defaultdict(lambda: [0.0, 0])
+        for e in runtime:
+            totals[e["name"]][0] += e.get("dur", 0) / 1e6
+            totals[e["name"]][1] += 1
+        for name, (seconds, count) in sorted(totals.items(), key=lambda item: -item[1][0])[:6]:
+            lines.append(f"    {seconds:8.3f} s {count:6d}x  {name}")
+    return "\n".join(lines)
+
+
+def expert_split_bits(args: argparse.Namespace, work: Path, out: Path) -> None:
+    """Bits of per-range expert work against the whole layer's (see the docstring)."""
+    from auto_round.data_type.int import quant_tensor_sym
+
+    devices = [torch.device(d) for d in _devices(args.gpus)]
+    torch.manual_seed(0)  # tensors are drawn on the home device: GPU-sized ones
+    experts, hidden, inter, tokens, top_k = 128, 2048, 768, args.samples * 128, 8
+    ranges = split_row_ranges(experts, len(devices), multiple=1)
+    home = devices[0]
+    pick = torch.rand(tokens, experts, device=home).argsort(-1)[:, :top_k]
+    routed = torch.zeros(experts, tokens, dtype=torch.bool, device=home)
+    routed[pick.t(), torch.arange(tokens, device=home)] = True
+
+    def all_token(columns: int) -> torch.Tensor:  # routed rows among zeros, bf16
+        values = torch.randn(experts, tokens, columns, device=home, dtype=torch.bfloat16)
+        return values * routed[..., None]
+
+    shared = torch.randn(tokens, hidden, device=home, dtype=torch.bfloat16)
+    for name, x, dy in [("gate/up (shared input)", shared.unsqueeze(0).expand(experts, -1, -1), all_token(inter)),
+                        ("down", all_token(inter), all_token(hidden))]:
+        whole = x.transpose(1, 2).bmm(dy)
+        equal = True
+        for (a, b), device in zip(ranges, devices):
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                piece = x[a:b].to(device).transpose(1, 2).bmm(dy[a:b].to(device))
+            equal &= torch.equal(piece.to(home), whole[a:b])
+        print(f"weight-gradient bmm, {name}, experts {ranges}: bits equal: {equal}")
+        del whole, dy
+    for rows_per_expert, columns in [(2 * inter, hidden), (hidden, inter)]:
+        weight = (torch.randn(experts * rows_per_expert, columns, device=home) * 0.02).to(torch.bfloat16)
+        groups = experts * rows_per_expert * columns // 128
+        params = {"v": torch.rand(groups, 128, device=home) - 0.5,  # as auto-round's wrapper shapes it
+                  "min_scale": torch.rand(groups, device=home) * 0.5 + 0.5,
+                  "max_scale": torch.rand(groups, device=home) * 0.5 + 0.5}
+        grad_out = torch.randn(weight.shape, device=home)
+
+        def qdq(rows: slice, device: torch.device) -> tuple[torch.Tensor, dict]:
+            group_rows = slice(rows.start * columns // 128, rows.stop * columns // 128)
+            leaves = {k: v[group_rows].to(device).requires_grad_() for k, v in params.items()}
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                q, _, _ = quant_tensor_sym(weight[rows].to(device).float(), bits=4, group_size=128,
+                                           scale_dtype=torch.float16, **leaves)
+                q.backward(grad_out[rows].to(device))
+            return q.detach(), {k: v.grad for k, v in leaves.items()}
+
+        whole, whole_grads = qdq(slice(0, weight.shape[0]), home)
+        equal = {"qdq": True, "v": True, "min_scale": True, "max_scale": True}
+        for (a, b), device in zip(ranges, devices):
+            rows = slice(a * rows_per_expert, b * rows_per_expert)
+            group_rows = slice(rows.start * columns // 128, rows.stop * columns // 128)
+            q, grads = qdq(rows, device)
+            equal["qdq"] &= torch.equal(q.to(home), whole[rows])
+            for k, g in grads.items():
+                equal[k] &= torch.equal(g.to(home), whole_grads[k][group_rows])
+        print(f"qdq of [{experts} x {rows_per_expert}, {columns}] rows, experts {ranges}: bits equal: {equal}")
+
+
 def gptq_updates(args: argparse.Namespace, work: Path, out: Path) -> None:
     """cProfile of the last layer's GPTQ update phase (ours, parallel_sequential)."""
     model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
@@ -330,8 +503,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "probe",
-        choices=["gptq-pass", "autoround-profile", "autoround-host", "autoround-capture", "gptq-updates",
-                 "gptq-rowsplit"],
+        choices=["gptq-pass", "autoround-profile", "autoround-host", "autoround-capture",
+                 "autoround-timeline", "expert-split-bits", "gptq-updates", "gptq-rowsplit"],
     )
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--gpus", type=int, default=2)
@@ -341,12 +514,18 @@ def main() -> None:
     parser.add_argument("--expert-tokens", default="auto", choices=["auto", "all", "routed"])
     parser.add_argument("--exact", default="on", choices=["on", "off"], help="exact_gradients (autoround-host)")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--skip", type=int, default=5, help="autoround-timeline: iterations before the window")
+    parser.add_argument("--window", type=int, default=10, help="autoround-timeline: iterations profiled")
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-probe-")
     if args.probe in ("autoround-host", "autoround-capture"):
         autoround_window(args, work, out)
+    elif args.probe == "autoround-timeline":
+        autoround_timeline(args, work, out)
+    elif args.probe == "expert-split-bits":
+        expert_split_bits(args, work, out)
     elif args.probe == "gptq-updates":
         gptq_updates(args, work, out)
     elif args.probe == "gptq-rowsplit":
