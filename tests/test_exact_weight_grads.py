@@ -17,7 +17,9 @@ from llmcompressor_parallel.engine import grouped_autoround
 from llmcompressor_parallel.engine.exact_weight_grads import ExactWeightGradients
 from llmcompressor_parallel.engine.gathered_weight import GatheredWeight
 from oneshot_runs import log_lines
-from test_grouped_autoround import PARAMS, inputs, run, wrapped_block, wrappers
+from llmcompressor_parallel.engine.gathered_weight import RoutedRows
+from llmcompressor_parallel.engine.grouped_autoround_experts import QuantizedGroupedExperts
+from test_grouped_autoround import NUM_EXPERTS, PARAMS, inputs, run, wrapped_block, wrappers
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -47,16 +49,28 @@ def test_split_batch_gradients_are_stock_bits(amp, parts, batch):
 
 @pytest.mark.parametrize("amp", [True, False], ids=["bf16-autocast", "fp32"])
 @pytest.mark.parametrize("parts,batch", [(2, 4), (3, 4)], ids=["2-even", "3-uneven"])
-def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch):
-    """Experts grouped on all tokens with qdq once: the stacks' gradients are gathered
-    on the home (gathered_weight.py, "bmm" layouts)."""
+def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch, monkeypatch):
+    """Experts grouped on all tokens with qdq once: the experts are cut into one range
+    per part, whose qdq and stacks' gradients (gathered from every part's rows,
+    gathered_weight.py, "bmm" layouts) run on that part's device."""
     block = wrapped_block(dtype=torch.bfloat16 if amp else torch.float32)
     x = inputs(batch=batch)
     stock = run(block, x, amp=amp)
+    ranges = []
+    by_range = QuantizedGroupedExperts.qdq_rows_by_range
+
+    def spied(self, bounds, devices):
+        ranges.append(list(bounds))
+        return by_range(self, bounds, devices)
+
+    monkeypatch.setattr(QuantizedGroupedExperts, "qdq_rows_by_range", spied)
     with DeviceWorkerPool([torch.device("cpu")] * parts) as pool:
         ours = run(block, x, amp=amp, pool=pool, grouped=dict(all_tokens="auto", exact=True))
     shares = _identical_share(stock[1], ours[1])
-    print(f"\ngrouped, {parts} parts, amp={amp}: share of bit-identical gradients {shares}")
+    print(f"\ngrouped, {parts} parts, amp={amp}: expert ranges {ranges}; "
+          f"share of bit-identical gradients {shares}")
+    assert NUM_EXPERTS == 8
+    assert ranges == [{2: [(0, 4), (4, 8)], 3: [(0, 3), (3, 6), (6, 8)]}[parts]]
     assert ours[3].shipped_calls == 1 and ours[3].stock_calls == 0
     assert torch.equal(stock[0], ours[0])
     assert shares == {name: 1.0 for name in (*PARAMS, "input")}
@@ -130,3 +144,37 @@ def test_unsupported_wrapper_keeps_split_sums_with_a_reason():
     assert exact.exact_calls == 1  # the others still gather
     assert any("block.experts.0.up_proj: weight gradients summed per replica: its "
                "orig_forward is <function" in line for line in lines)
+
+
+@pytest.mark.parametrize("layout", ["experts", "experts_shared"])
+def test_expert_ranges_give_the_whole_stacks_gradient(layout):
+    """`first_expert`: a range's gradient is the whole stack's rows of those experts,
+    bit for bit, also where the parts' rows mix experts of every range."""
+    generator = torch.Generator().manual_seed(0)
+    experts, width, out_width, tokens = 5, 16, 12, [6, 4]
+    rows, places = [], []
+    for count in tokens:  # each part: every token routed to 2 of the experts
+        expert = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(count)]).flatten()
+        places.append(RoutedRows(expert, torch.arange(count).repeat_interleave(2), count))
+        rows.append(torch.randn(expert.numel(), out_width, generator=generator))
+    if layout == "experts_shared":
+        inputs_ = [torch.randn(count, width, generator=generator) for count in tokens]
+    else:
+        inputs_ = [torch.randn(r.shape[0], width, generator=generator) for r in rows]
+    weight = torch.zeros(experts, width, out_width, requires_grad=True)
+
+    def gradient(first: int | None, stop: int) -> torch.Tensor:
+        start = 0 if first is None else first
+        part_weight = weight[start:stop].detach().requires_grad_()
+        gathered = GatheredWeight(part_weight, [torch.device("cpu")] * 2, "stack", layout, first)
+        total = 0
+        for part, (x, y, place) in enumerate(zip(inputs_, rows, places)):
+            output = torch.zeros_like(y, requires_grad=True)
+            total = total + (gathered.record(part, x, output, place) * y).sum()
+        total.backward()
+        return part_weight.grad
+
+    whole = gradient(None, experts)
+    pieces = torch.cat([gradient(0, 2), gradient(2, 5)])
+    assert whole.abs().sum() > 0
+    assert torch.equal(pieces, whole)

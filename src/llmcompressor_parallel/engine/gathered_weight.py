@@ -63,27 +63,35 @@ class _Rows:
 
 
 def _all_token_layout(rows: list[torch.Tensor], places: list[RoutedRows],
-                      experts: int) -> torch.Tensor:
-    """The parts' routed rows among zeros in [E, batch tokens, .], parts in batch order."""
-    out = rows[0].new_zeros(experts, sum(p.tokens for p in places), rows[0].shape[-1])
+                      experts: int, first: int | None) -> torch.Tensor:
+    """The parts' routed rows among zeros in [experts, batch tokens, .], parts in batch
+    order. `first`: the layout holds experts [first, first + experts) of a larger stack
+    (rows of other experts are written to a spare slot, dropped); None: all experts."""
+    spare = 0 if first is None else 1
+    out = rows[0].new_zeros(experts + spare, sum(p.tokens for p in places), rows[0].shape[-1])
     offset = 0
     for part_rows, place in zip(rows, places):
-        out[place.expert, place.token + offset] = part_rows
+        index = place.expert
+        if first is not None:
+            index = index - first
+            index = torch.where((index >= 0) & (index < experts), index, experts)
+        out[index, place.token + offset] = part_rows
         offset += place.tokens
-    return out
+    return out[:experts] if spare else out
 
 
 def _weight_gradient(layout: Layout, inputs: list[torch.Tensor], grads: list[torch.Tensor],
-                     places: list[RoutedRows], experts: int) -> torch.Tensor:
-    """The serial backward's weight gradient over the concatenated rows."""
+                     places: list[RoutedRows], experts: int, first: int | None) -> torch.Tensor:
+    """The serial backward's weight gradient over the concatenated rows (for the experts
+    [first, first + experts) in the "experts" layouts; first=None: all of them)."""
     if layout == "linear":  # Linear's backward: grad_output^T @ input over all tokens
         x = torch.cat(inputs).flatten(0, -2)
         return torch.cat(grads).flatten(0, -2).t().mm(x)
-    dy = _all_token_layout(grads, places, experts)
+    dy = _all_token_layout(grads, places, experts, first)
     if layout == "experts_shared":
         x = torch.cat(inputs).unsqueeze(0).expand(experts, -1, -1)
     else:
-        x = _all_token_layout(inputs, places, experts)
+        x = _all_token_layout(inputs, places, experts, first)
     return x.transpose(1, 2).bmm(dy)  # bmm's backward for its second operand
 
 
@@ -92,9 +100,10 @@ class _WeightGrad(torch.autograd.Function):
     from every part's rows (raises, naming the devices, if a part never reported)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, rows: _Rows, name: str, layout: Layout):
+    def forward(ctx: Any, weight: torch.Tensor, rows: _Rows, name: str, layout: Layout,
+                first: int | None):
         ctx.set_materialize_grads(False)
-        ctx.rows, ctx.name, ctx.layout = rows, name, layout
+        ctx.rows, ctx.name, ctx.layout, ctx.first = rows, name, layout, first
         ctx.dtype, ctx.home = weight.dtype, weight.device
         ctx.experts = weight.shape[0]
         return weight.new_empty(0)
@@ -112,8 +121,8 @@ class _WeightGrad(torch.autograd.Function):
         grads = [g.to(ctx.home) for g in rows.grads]
         places = [None if p is None else p.to(ctx.home) for p in rows.places]
         with torch.autocast(ctx.home.type, enabled=False):
-            gradient = _weight_gradient(ctx.layout, inputs, grads, places, ctx.experts)
-        return gradient.to(ctx.dtype), None, None, None
+            gradient = _weight_gradient(ctx.layout, inputs, grads, places, ctx.experts, ctx.first)
+        return gradient.to(ctx.dtype), None, None, None, None
 
 
 class _Tap(torch.autograd.Function):
@@ -137,12 +146,17 @@ class GatheredWeight:
     :param devices: the parts' devices, in batch order
     :param name: how the weight is called in errors
     :param layout: how the parts use it (see `Layout`)
+    :param first_expert: in the "experts" layouts, `weight` holds the stack's experts
+        [first_expert, first_expert + len(weight)) only (the expert-split fan-out:
+        each device computes its range's gradient from every part's rows); None: all
     """
 
     def __init__(self, weight: torch.Tensor, devices: list[torch.device], name: str,
-                 layout: Layout = "linear") -> None:
+                 layout: Layout = "linear", first_expert: int | None = None) -> None:
+        if first_expert is not None and layout == "linear":
+            raise ValueError("first_expert applies to the experts layouts only")
         self.rows = _Rows(devices)
-        self.token = _WeightGrad.apply(weight, self.rows, name, layout)
+        self.token = _WeightGrad.apply(weight, self.rows, name, layout, first_expert)
 
     def record(self, part: int, input: torch.Tensor, output: torch.Tensor,
                place: RoutedRows | None = None) -> torch.Tensor:

@@ -71,6 +71,7 @@ from llmcompressor_parallel.engine.offload_forward import (
     wrapper_target,
 )
 from llmcompressor_parallel.engine.replicate import NotReplicable, ReplicaSet
+from llmcompressor_parallel.engine.scatter_gather import split_sizes
 
 __all__ = [
     "GroupedAutoRoundExperts",
@@ -502,9 +503,10 @@ class GroupedAutoRoundExperts:
         home (auto-round's in-place scale clamps included) and hands each replica a
         differentiable copy of both. With `exact`, where every part runs all tokens,
         the parts get detached copies instead and the stacks' gradients are computed
-        on the home from all parts' rows (gathered_weight.py). Returns which home
-        tensors the fan-out must not copy to the replicas, or None when nothing is
-        shipped.
+        from all parts' rows (gathered_weight.py), the experts cut into one range per
+        part's device for the qdq and those gradients (`_split_by_experts`). Returns
+        which home tensors the fan-out must not copy to the replicas, or None when
+        nothing is shipped.
         """
         work = []
         for site in self._sites:
@@ -539,24 +541,10 @@ class GroupedAutoRoundExperts:
         shipment = _Shipment(self)
         try:
             for site, runner, modules, plans in work:
-                gate_up, down = runner.qdq_rows()
-                exact = self._gathers_exactly(site, runner, plans, primary)
-                recorders = self._recorders(site, runner, gate_up, down, replicas, parts) if exact else None
-                # gathered exactly: the parts get detached rows, the home computes the
-                # stacks' gradients; else differentiable copies, summed on the home
-                source = (gate_up, down) if recorders is None else (gate_up.detach(), down.detach())
-                shipped = {}
-                for part, module in enumerate(modules):
-                    recorder = None if recorders is None else recorders[part]
-                    if module is site.home:
-                        rows = source
-                    else:
-                        # cast before the copy: half the bytes both ways, same values (the
-                        # replica would cast to this dtype first thing), and the gradient
-                        # still turns fp32 on the home before the partials are added
-                        replica = plans[module].runner
-                        rows = tuple(r.to(replica.dtype).to(replica.device) for r in source)
-                    shipped[module] = _ShippedRows(*rows, recorder)
+                if self._gathers_exactly(site, runner, plans, primary):
+                    shipped = self._split_by_experts(site, runner, modules, plans, replicas, parts)
+                else:
+                    shipped = self._copied_to_parts(site, runner, modules, plans)
                 site.shipped = shipped
                 shipment.sites.append(site)
                 wrappers = runner.gate_up_qdq.wrappers + runner.down_qdq.wrappers
@@ -592,13 +580,70 @@ class GroupedAutoRoundExperts:
         return True
 
     @staticmethod
-    def _recorders(
-        site: "_Site", runner: StockOrderGroupedExperts, gate_up: torch.Tensor,
-        down: torch.Tensor, replicas: ReplicaSet, parts: int,
-    ) -> list[StackRecorder]:
-        """Each part's recorder over one `GatheredWeight` per stack of the home's stacks."""
-        stacks = stacks_from_rows(gate_up, down, runner)
-        return stack_recorders(stacks, replicas.devices[:parts], site.name)
+    def _copied_to_parts(
+        site: "_Site", runner: "QuantizedGroupedExperts", modules: list[nn.Module], plans: dict
+    ) -> "dict[nn.Module, _ShippedRows]":
+        """The home's qdq rows, and a differentiable copy of them on each replica (in the
+        replica's dtype: half the bytes both ways, same values, since the replica would
+        cast first thing; the gradient still turns fp32 on the home before the partials
+        are added)."""
+        gate_up, down = runner.qdq_rows()
+        shipped = {}
+        for module in modules:
+            if module is site.home:
+                shipped[module] = _ShippedRows(gate_up, down)
+                continue
+            replica = plans[module].runner
+            shipped[module] = _ShippedRows(
+                *(rows.to(replica.dtype).to(replica.device) for rows in (gate_up, down))
+            )
+        return shipped
+
+    @staticmethod
+    def _split_by_experts(
+        site: "_Site", runner: "QuantizedGroupedExperts", modules: list[nn.Module],
+        plans: dict, replicas: ReplicaSet, parts: int,
+    ) -> "dict[nn.Module, _ShippedRows]":
+        """The exact fan-out, its per-weight work cut by experts over the parts' devices.
+
+        What the home alone did for all experts (their qdq, its backward, and the
+        weight-gradient matmuls over the whole batch's rows) grows with the weights,
+        not with the batch, so it left the second GPU idle for most of an iteration.
+        Here the experts are cut into one contiguous range per part: range i's qdq
+        runs on part i's device (its tuning parameters copied there differentiably),
+        and so does its stacks' gradient, from every part's rows (`GatheredWeight`
+        with `first_expert`). Each part runs the forward over the whole qdq, the
+        ranges assembled in its dtype. Every range's qdq and weight gradient equals
+        the whole call's bit for bit (groups and experts are independent; measured on
+        H200s: bench/probe.py expert-split-bits), so the gradients are the home-only
+        path's.
+        """
+        devices = [
+            runner.device if module is site.home else plans[module].runner.device
+            for module in modules
+        ]
+        count = min(parts, runner.num_experts)
+        bounds, start = [], 0
+        for size in split_sizes(runner.num_experts, count):
+            bounds.append((start, start + size))
+            start += size
+        rows = runner.qdq_rows_by_range(bounds, devices[:count])
+        ranges = [
+            stacks_from_rows(gate_up, down, runner, experts=stop - first)
+            for (gate_up, down), (first, stop) in zip(rows, bounds)
+        ]
+        recorders = stack_recorders(
+            ranges, replicas.devices[:parts], site.name, [first for first, _ in bounds]
+        )
+        shipped = {}
+        for part, module in enumerate(modules):
+            target = runner if module is site.home else plans[module].runner
+            shipped[module] = _ShippedRows(
+                _assembled([r[0] for r in rows], target.dtype, target.device),
+                _assembled([r[1] for r in rows], target.dtype, target.device),
+                recorders[part],
+            )
+        return shipped
 
     def _count(self, stock: bool, name: str = "", reason: str = "") -> None:
         with self._lock:
@@ -629,6 +674,19 @@ class _Shipment:
         for site in self.sites:
             site.shipped = None
         self.sites = []
+
+
+def _assembled(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pieces' rows, detached, in one [rows, columns] tensor of `dtype` on `device`
+    (each piece cast and copied straight into its place: no intermediate concatenation)."""
+    whole = torch.empty(
+        sum(piece.shape[0] for piece in pieces), pieces[0].shape[1], dtype=dtype, device=device
+    )
+    start = 0
+    for piece in pieces:
+        whole[start : start + piece.shape[0]].copy_(piece.detach())
+        start += piece.shape[0]
+    return whole
 
 
 @dataclass

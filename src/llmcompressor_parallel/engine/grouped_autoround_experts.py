@@ -206,16 +206,36 @@ class QuantizedGroupedExperts(StockOrderGroupedExperts):
         forms its stacks with `stacks_from_rows`, the same values as `stacks()`."""
         return self.gate_up_qdq.raw(fp32=True), self.down_qdq.raw(fp32=True)
 
+    def qdq_rows_by_range(
+        self, ranges: list[tuple[int, int]], devices: list[torch.device]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`qdq_rows()` cut by experts: range i's (gate_up, down) rows computed on
+        `devices[i]`, bit for bit the whole call's rows of those experts. auto-round's
+        in-place scale clamps run once, on the home, before any range."""
+        self.gate_up_qdq.clamp_scales()
+        self.down_qdq.clamp_scales()
+        per_expert = len(self.gate_up_qdq.wrappers) // self.num_experts
+        return [
+            (
+                self.gate_up_qdq.raw_range(start * per_expert, stop * per_expert, device),
+                self.down_qdq.raw_range(start, stop, device),
+            )
+            for (start, stop), device in zip(ranges, devices)
+        ]
+
 
 def stacks_from_rows(
-    gate_up_rows: torch.Tensor, down_rows: torch.Tensor, grouped: GroupedExperts
+    gate_up_rows: torch.Tensor, down_rows: torch.Tensor, grouped: GroupedExperts,
+    experts: int | None = None,
 ) -> ExpertStacks:
-    """Expert stacks from qdq rows ([E*(2)I, H], [E*H, I]) on `grouped`'s device.
+    """Expert stacks from qdq rows ([E*(2)I, H], [E*H, I]) on the rows' device.
 
     The cast to the weights' dtype happens here (a no-op where the rows have it), so
-    a differentiable copy of fp32 rows returns its gradient in fp32.
+    a differentiable copy of fp32 rows returns its gradient in fp32. `experts`: how
+    many experts the rows hold (default: all of `grouped`'s).
     """
-    experts, hidden, intermediate = grouped.num_experts, grouped.hidden_size, grouped.intermediate_size
+    experts = grouped.num_experts if experts is None else experts
+    hidden, intermediate = grouped.hidden_size, grouped.intermediate_size
     gate_up_t = gate_up_rows.to(grouped.dtype).view(experts, -1, hidden).transpose(1, 2)
     down_t = down_rows.to(grouped.dtype).view(experts, hidden, intermediate).transpose(1, 2)
     return _split_stacks(gate_up_t, down_t, grouped)

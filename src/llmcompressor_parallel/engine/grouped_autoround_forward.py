@@ -44,17 +44,19 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class StackRecorder:
-    """One part's hand-over of its routed matmul rows to the call's `GatheredWeight`s,
-    one per stack (the first projections, then down; None: the stack takes no gradient)."""
+    """One part's hand-over of its routed matmul rows to the call's `GatheredWeight`s:
+    per stack (the first projections, then down), one per expert range whose gradient
+    is computed apart (empty: the stack takes no gradient)."""
 
-    gathers: list[GatheredWeight | None]
+    gathers: list[list[GatheredWeight]]
     part: int
 
     def record(self, index: int, input: torch.Tensor, output: torch.Tensor,
                place: RoutedRows) -> torch.Tensor:
         """Keep stack `index`'s input, tap its output's gradient; returns the output to use."""
-        gather = self.gathers[index]
-        return output if gather is None else gather.record(self.part, input, output, place)
+        for gather in self.gathers[index]:
+            output = gather.record(self.part, input, output, place)
+        return output
 
 
 class ExpertStacks:
@@ -80,17 +82,24 @@ class ExpertStacks:
 
 
 def stack_recorders(
-    stacks: ExpertStacks, devices: list[torch.device], name: str
+    ranges: Sequence[ExpertStacks], devices: list[torch.device], name: str,
+    first_experts: Sequence[int | None] = (None,),
 ) -> list[StackRecorder]:
-    """Each part's recorder over one `GatheredWeight` per stack of `stacks` that takes a
-    gradient (the parts, on `devices` in batch order, run detached copies)."""
-    names = ["gate", "up"] if len(stacks.first) == 2 else ["up"]
+    """Each part's recorder (the parts, on `devices` in batch order, run detached copies):
+    per stack that takes a gradient, one `GatheredWeight` per entry of `ranges`, the
+    stacks of experts from `first_experts[i]` on (None: `ranges` is the whole stack)."""
+    first = ranges[0]
+    names = ["gate", "up"] if len(first.first) == 2 else ["up"]
     layouts = ["experts_shared"] * len(names) + ["experts"]
-    weights = [*stacks.first, stacks.down_t]
-    gathers = [
-        GatheredWeight(w_t, devices, f"{name} {stack} stack", layout) if w_t.requires_grad else None
-        for w_t, stack, layout in zip(weights, [*names, "down"], layouts)
-    ]
+    gathers: list[list[GatheredWeight]] = [[] for _ in layouts]
+    for stacks, first_expert in zip(ranges, first_experts):
+        label = "" if first_expert is None else f" from expert {first_expert}"
+        weights = [*stacks.first, stacks.down_t]
+        for index, (w_t, stack, layout) in enumerate(zip(weights, [*names, "down"], layouts)):
+            if w_t.requires_grad:
+                gathers[index].append(
+                    GatheredWeight(w_t, devices, f"{name} {stack} stack{label}", layout, first_expert)
+                )
     return [StackRecorder(gathers, part) for part in range(len(devices))]
 
 
@@ -180,7 +189,7 @@ def _all_tokens(
     """
     recorder = stacks.recorder
     if recorder is None:
-        recorder = stack_recorders(stacks, [hidden.device], "experts")[0]
+        recorder = stack_recorders([stacks], [hidden.device], "experts")[0]
     shared = hidden.detach().to(_compute_dtype(hidden))
     count = len(stacks.first)
     inputs = _PairInputs.apply(hidden, shared, routing.token, ranks, count)

@@ -14,7 +14,7 @@ call and give, element for element, what each wrapper computes alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -154,6 +154,8 @@ class StackedQdq:
     weight: torch.Tensor
     weight_min: torch.Tensor | None
     weight_max: torch.Tensor | None
+    # `weight` copied to other devices for `raw_range` (dropped with the stack at refresh)
+    _weight_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -194,9 +196,14 @@ class StackedQdq:
         torch._foreach_clamp_min_(data, low)
         torch._foreach_clamp_max_(data, high)
 
-    def gather(self, name: str) -> torch.Tensor:
-        """The wrappers' parameter `name`, concatenated differentiably (grads reach each)."""
-        return torch.cat([w._parameters[name] for w in self.wrappers])
+    def gather(
+        self, name: str, start: int = 0, stop: int | None = None, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Parameter `name` of wrappers [start, stop), concatenated differentiably (grads
+        reach each), then copied to `device` (default: where the parameters are)."""
+        wrappers = self.wrappers[start:stop]
+        gathered = torch.cat([w._parameters[name] for w in wrappers])
+        return gathered if device is None else gathered.to(device)
 
     def __call__(self) -> torch.Tensor:
         """Fake-quantized stacked weight [rows, in], as each wrapper's `_qdq_weight` gives it."""
@@ -217,6 +224,34 @@ class StackedQdq:
         weight's dtype, as stock.
         """
         self.clamp_scales()
+        return self._quantize(0, len(self.wrappers), self.weight, fp32)
+
+    def raw_range(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """`raw(fp32=True)`'s rows of wrappers [start, stop), computed on `device`.
+
+        Call `clamp_scales()` once before a call's ranges. The wrappers' tuning
+        parameters reach `device` through differentiable copies (their gradients
+        return to the home's parameters); the weight rows are copied there once per
+        device and kept. Every group's result depends on its own rows and parameters
+        only, so each range equals the whole stack's rows bit for bit (measured on
+        H200s: bench/probe.py expert-split-bits).
+        """
+        per = self.weight.shape[0] // len(self.wrappers)
+        weight = self._weight_copies.get(device)
+        if weight is None:
+            weight = self.weight.to(device) if device != self.weight.device else self.weight
+            self._weight_copies[device] = weight
+        return self._quantize(start, stop, weight[start * per : stop * per], fp32=True, device=device)
+
+    def _quantize(
+        self,
+        start: int,
+        stop: int,
+        weight: torch.Tensor,
+        fp32: bool,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """auto-round's quantizer over `weight`, the rows of wrappers [start, stop)."""
         first = self.wrappers[0]
         layer = first.orig_layer
         quant_kwargs = {}
@@ -225,19 +260,26 @@ class StackedQdq:
                 "super_bits": layer.super_bits,
                 "super_group_size": layer.super_group_size,
             }
-        weight = self.weight
         if fp32 and _fp32_exact(weight.dtype, layer.scale_dtype):
             weight = weight.float()
+        whole = start == 0 and stop == len(self.wrappers)
+
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None or whole:
+                return tensor
+            per = tensor.shape[0] // len(self.wrappers)
+            return tensor[start * per : stop * per].to(device or tensor.device)
+
         weight_q, _, _ = first.weight_quant_func(
             weight,
             bits=layer.bits,
             group_size=layer.group_size,
-            v=self.gather("value"),
-            min_scale=self.gather("min_scale"),
-            max_scale=self.gather("max_scale"),
+            v=self.gather("value", start, stop, device),
+            min_scale=self.gather("min_scale", start, stop, device),
+            max_scale=self.gather("max_scale", start, stop, device),
             scale_dtype=layer.scale_dtype,
-            tensor_min=self.weight_min,
-            tensor_max=self.weight_max,
+            tensor_min=moved(self.weight_min),
+            tensor_max=moved(self.weight_max),
             data_type=first.data_type,
             q_scale_thresh=first.q_scale_thresh,
             imatrix=None,  # the row-separable int quantizers ignore it
