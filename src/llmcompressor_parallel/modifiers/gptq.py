@@ -18,8 +18,11 @@ and qparams. Only when every batch of the layer has succeeded are the results
 written back with the stock `update_batch_qparams` (offloaded modules included),
 so a failure leaves the layer's weights and the modifier's Hessians untouched. For
 modules offloaded to host memory, each worker first copies its results into
-page-locked host memory (`engine.host_staging`), so that the caller's write-back
-copies host to host instead of from the device into pageable memory.
+page-locked host memory (`engine.host_staging`), so that the write-back copies host
+to host instead of from the device into pageable memory. The write-back itself runs
+on the pool's threads, different modules at once, where compressed-tensors' caches
+allow it (`gptq_write_back`); the log lines, RTN-fallback names, Hessian drops and
+counts follow in the calling thread, in stock's order.
 
 MoE experts: with `grouped_experts=True` (the default), llm-compressor's linearised
 experts run grouped in the calibration and propagation forwards (stacked weights,
@@ -63,7 +66,6 @@ from llmcompressor.modifiers.gptq.helpers import (
     GPTQ_PRECISION,
     assign_batches,
     prepare_batch,
-    update_batch_qparams,
 )
 
 from llmcompressor_parallel.calibration_pipeline import PIPELINE_NAME
@@ -82,6 +84,7 @@ from llmcompressor_parallel.modifiers.data_parallel_options import (
 from llmcompressor_parallel.modifiers.gptq_batches import split_for_devices
 from llmcompressor_parallel.modifiers.gptq_calibration import HessianPartials
 from llmcompressor_parallel.modifiers.gptq_grouped import GroupedExpertsWiring
+from llmcompressor_parallel.modifiers.gptq_write_back import BatchWrite, write_batches
 from llmcompressor_parallel.modifiers.worker_guard import guard_workers
 
 __all__ = ["ParallelGPTQExpertModifier"]
@@ -284,7 +287,10 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     def compress_module_list(self, module_list: list[nn.Module]) -> None:
         """Stock batches (large ones in one chunk per device), run on the pool.
 
-        Written back only once every batch has succeeded.
+        Written back only once every batch has succeeded; the writes on the pool's
+        threads where that is safe (`gptq_write_back`), the modifier's own records
+        after them, in stock's order, in this thread. A failed write leaves the
+        records (Hessians, counts) untouched.
         """
         if self._pool is None:
             return super().compress_module_list(module_list)
@@ -302,8 +308,12 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             start = time.perf_counter()
             results = run_update_jobs(self._pool, jobs, update)
             self._log_placement(results, time.perf_counter() - start)
+            write_batches(
+                self._pool,
+                [self._batch_write(batch, result) for batch, result in zip(batches, results)],
+            )
             for batch, result in zip(batches, results):
-                self._write_back(batch, result)
+                self._record(batch, result)
         return None
 
     def _batch_job(self, batch: list[nn.Module]) -> UpdateJob:
@@ -331,22 +341,27 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             bytes_needed=_batch_bytes(inputs, self.block_size),
         )
 
-    def _write_back(self, batch: list[nn.Module], result: UpdateResult) -> None:
-        """Stock write-back of one batch's results, then its statistics dropped."""
+    def _batch_write(self, batch: list[nn.Module], result: UpdateResult) -> BatchWrite:
+        """What stock's `update_batch_qparams` gets for one batch."""
+        outputs: _BatchOutputs = result.value
+        return BatchWrite(
+            names=[self._module_names[module] for module in batch],
+            modules=batch,
+            quantized=outputs.quantized,
+            scales=outputs.scales,
+            zero_points=outputs.zero_points,
+            global_scales=outputs.global_scales,
+            quant_args=getattr_chain(batch[0], "quantization_scheme.weights"),
+        )
+
+    def _record(self, batch: list[nn.Module], result: UpdateResult) -> None:
+        """Stock's bookkeeping of a written batch: losses logged, fallbacks named, stats dropped."""
         outputs: _BatchOutputs = result.value
         names = [self._module_names[module] for module in batch]
         for name, loss, fallback in zip(names, outputs.losses, outputs.used_rtn_fallback):
             _log_metric(f"{name}: GPTQ error {loss:.2f}, {result.place}")
             if fallback:
                 self._rtn_fallback_module_names.append(name)
-        update_batch_qparams(
-            batch,
-            outputs.quantized,
-            outputs.scales,
-            outputs.zero_points,
-            outputs.global_scales,
-            getattr_chain(batch[0], "quantization_scheme.weights"),
-        )
         for module in batch:
             self._hessians.pop(module)
             self._num_samples.pop(module)
