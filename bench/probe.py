@@ -14,8 +14,9 @@ pipeline's calibration forwards between the first and the second layer's epoch e
 `autoround-timeline`: torch.profiler over tuning iterations --skip+1 .. --skip+--iters-window
 of the second decoder layer (no synchronisation inside): per GPU, the seconds it was busy
 (kernels and copies, overlaps counted once) against the window's wall time, its largest
-idle gaps, its top kernels; per host thread, the busy seconds of its top-level ops. Says
-whether an iteration waits on a GPU or on the host. The trace goes to --out, gzipped.
+idle gaps, its top kernels; per host thread, the busy seconds of its top-level ops; then
+one middle iteration: each GPU's busy share in 5 ms bins and the calling thread's long ops.
+Says whether an iteration waits on a GPU or on the host. The trace goes to --out, gzipped.
 `expert-split-bits`: whether cutting a layer's experts into ranges, one per GPU, keeps
 every bit: the all-token weight-gradient bmm of each range against the whole bmm's
 rows, and auto-round's int qdq (forward, and the gradients of value, min_scale and
@@ -338,7 +339,41 @@ def summarise_trace(path: Path, rows: int) -> str:
             totals[e["name"]][1] += 1
         for name, (seconds, count) in sorted(totals.items(), key=lambda item: -item[1][0])[:6]:
             lines.append(f"    {seconds:8.3f} s {count:6d}x  {name}")
+    lines += _one_iteration(events, device_kinds)
     return "\n".join(lines)
+
+
+def _one_iteration(events: list[dict], device_kinds: set[str]) -> list[str]:
+    """A middle tuning iteration (between two optimizer steps): each GPU's busy share in
+    5 ms bins, and the calling thread's top-level ops longer than 0.5 ms."""
+    steps = sorted((e for e in events if e["name"].startswith("Optimizer.step")
+                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    if len(steps) < 3:
+        return []
+    middle = len(steps) // 2
+    start = steps[middle - 1]["ts"] + steps[middle - 1]["dur"]
+    stop = steps[middle]["ts"] + steps[middle]["dur"]
+    lines = [f"one iteration ({(stop - start) / 1e3:.1f} ms), GPU busy % per 5 ms bin:"]
+    kernels = [e for e in events if e.get("cat") in device_kinds and start <= e["ts"] < stop]
+    for device in sorted({e.get("args", {}).get("device") for e in kernels}, key=str):
+        spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels if e.get("args", {}).get("device") == device]
+        bins = []
+        for left in range(int(start), int(stop), 5000):
+            right = min(left + 5000, stop)
+            busy, _ = _union_seconds([(max(a, left), min(b, right)) for a, b in spans if a < right and b > left])
+            bins.append(f"{busy * 1e6 / (right - left) * 100:3.0f}")
+        lines.append(f"  GPU {device}: {' '.join(bins)}")
+    caller = steps[middle]["tid"]
+    ops = sorted((e for e in events if e.get("tid") == caller and e.get("cat") in ("cpu_op", "user_annotation")
+                  and start <= e["ts"] < stop), key=lambda e: (e["ts"], -e.get("dur", 0)))
+    end = -1.0
+    lines.append(f"  calling thread {caller}, top-level ops over 0.5 ms:")
+    for op in ops:
+        if op["ts"] >= end:
+            end = op["ts"] + op.get("dur", 0)
+            if op.get("dur", 0) > 500:
+                lines.append(f"    +{(op['ts'] - start) / 1e3:7.1f} ms {op['dur'] / 1e3:6.1f} ms  {op['name'][:80]}")
+    return lines
 
 
 def expert_split_bits(args: argparse.Namespace, work: Path, out: Path) -> None:

@@ -154,8 +154,9 @@ class StackedQdq:
     weight: torch.Tensor
     weight_min: torch.Tensor | None
     weight_max: torch.Tensor | None
-    # `weight` copied to other devices for `raw_range` (dropped with the stack at refresh)
-    _weight_copies: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    # rows of `weight` copied to other devices for `raw_range`, by (device, start, stop);
+    # dropped with the stack when the stacks are rebuilt
+    _weight_copies: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -231,17 +232,19 @@ class StackedQdq:
 
         Call `clamp_scales()` once before a call's ranges. The wrappers' tuning
         parameters reach `device` through differentiable copies (their gradients
-        return to the home's parameters); the weight rows are copied there once per
-        device and kept. Every group's result depends on its own rows and parameters
+        return to the home's parameters); the range's weight rows are copied there
+        once and kept. Every group's result depends on its own rows and parameters
         only, so each range equals the whole stack's rows bit for bit (measured on
         H200s: bench/probe.py expert-split-bits).
         """
         per = self.weight.shape[0] // len(self.wrappers)
-        weight = self._weight_copies.get(device)
-        if weight is None:
-            weight = self.weight.to(device) if device != self.weight.device else self.weight
-            self._weight_copies[device] = weight
-        return self._quantize(start, stop, weight[start * per : stop * per], fp32=True, device=device)
+        rows = self.weight[start * per : stop * per]
+        if device != self.weight.device:
+            key = (device, start, stop)
+            if key not in self._weight_copies:
+                self._weight_copies[key] = rows.to(device)
+            rows = self._weight_copies[key]
+        return self._quantize(start, stop, rows, fp32=True, device=device)
 
     def _quantize(
         self,
