@@ -178,3 +178,29 @@ def test_expert_ranges_give_the_whole_stacks_gradient(layout):
     pieces = torch.cat([gradient(0, 2), gradient(2, 5)])
     assert whole.abs().sum() > 0
     assert torch.equal(pieces, whole)
+
+
+def test_more_parts_than_experts_cut_one_expert_per_range(monkeypatch):
+    """2 experts over 3 parts: two ranges of one expert; the third part runs its rows
+    over the assembled qdq and still hands its rows to both ranges' gradients. Expert 1
+    is starved (top-1 routing never picks it): its range's gradient comes from zeros, as
+    stock's all-token one does."""
+    block = wrapped_block(dtype=torch.float32, num_experts=2, top_k=1)
+    x = inputs(batch=3)
+    stock = run(block, x, amp=False)
+    ranges = []
+    by_range = QuantizedGroupedExperts.qdq_rows_by_range
+
+    def spied(self, bounds, devices):
+        ranges.append(list(bounds))
+        return by_range(self, bounds, devices)
+
+    monkeypatch.setattr(QuantizedGroupedExperts, "qdq_rows_by_range", spied)
+    with DeviceWorkerPool([torch.device("cpu")] * 3) as pool:
+        ours = run(block, x, amp=False, pool=pool, grouped=dict(all_tokens="auto", exact=True))
+    shares = _identical_share(stock[1], ours[1])
+    print(f"\n2 experts, 3 parts: expert ranges {ranges}; share of bit-identical gradients {shares}")
+    assert ranges == [[(0, 1), (1, 2)]]
+    assert ours[3].shipped_calls == 1 and ours[3].stock_calls == 0
+    assert torch.equal(stock[0], ours[0])
+    assert shares == {name: 1.0 for name in (*PARAMS, "input")}

@@ -81,7 +81,7 @@ def configured_layer(
         if isinstance(module._parameters, OffloadCache):
             remove_module_offload(module, onload_tensors=True)
     # every input leans on DIRECTION and the router's STARVED row points away from it
-    mlp.gate.weight.data[STARVED] = -20 * DIRECTION
+    mlp.gate.weight.data[STARVED % num_experts] = -20 * DIRECTION
     wrapped = _wrap_decoding_layer(layer)  # as AutoRoundModifier.apply_autoround
     wrapped.config, wrapped.name_or_path = config, ""
     autoround = AutoRound(
