@@ -26,10 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import llmcompressor_parallel.modifiers.gptq_write_back as write_back
-from llmcompressor_parallel.engine.worker_pool import (
-    DeviceWorkerPool,
-    live_worker_threads,
-)
+from llmcompressor_parallel.engine.worker_pool import live_worker_threads
 from llmcompressor_parallel.modifiers.gptq import ParallelGPTQExpertModifier
 from llmcompressor_parallel.modifiers.gptq_write_back import (
     BatchWrite,
@@ -130,7 +127,7 @@ def _writer_threads(monkeypatch) -> Iterator[list[str]]:
     yield threads
 
 
-def _write_layer(pool: DeviceWorkerPool | None) -> dict[str, torch.Tensor]:
+def _write_layer(concurrent: bool) -> dict[str, torch.Tensor]:
     batches = _layer()
     with torch.no_grad(), disable_offloading():
         for batch in batches:  # onloaded and kept, as after the calibration forwards
@@ -138,7 +135,7 @@ def _write_layer(pool: DeviceWorkerPool | None) -> dict[str, torch.Tensor]:
                 for name in QPARAMS:
                     getattr(module, name)
         before = _written(batches)
-        write_batches(pool, [_results(batch, seed) for seed, batch in enumerate(batches)])
+        write_batches([_results(batch, seed) for seed, batch in enumerate(batches)], concurrent)
         after = _written(batches)
     assert all(not torch.equal(before[name], after[name]) for name in before if "weight." in name)
     return after
@@ -146,11 +143,11 @@ def _write_layer(pool: DeviceWorkerPool | None) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- same bits
 def test_threads_write_the_serial_bits_offloaded_and_onloaded(onload_copies, monkeypatch):
-    serial = _write_layer(None)
+    serial = _write_layer(concurrent=False)
     monkeypatch.setattr(write_back, "MAX_WRITE_THREADS", 3)
     monkeypatch.setattr(write_back.os, "cpu_count", lambda: 16)
-    with _writer_threads(monkeypatch) as threads, DeviceWorkerPool(["cpu"]) as pool:
-        concurrent = _write_layer(pool)
+    with _writer_threads(monkeypatch) as threads:
+        concurrent = _write_layer(concurrent=True)
     print(f"{len(serial)} tensors compared; modules written by: {sorted(set(threads))}")
     assert serial.keys() == concurrent.keys()
     differ = [name for name in serial if not torch.equal(serial[name], concurrent[name])]
@@ -249,9 +246,9 @@ def test_failing_write_stops_the_other_threads_and_names_the_module(monkeypatch)
     monkeypatch.setattr(write_back, "update_batch_qparams", slow_or_failing)
     monkeypatch.setattr(write_back, "write_threads", lambda modules: 2)
     message = (r"GPTQ write-back of batch0\.module0 failed: RuntimeError: injected write failure")
-    with DeviceWorkerPool(["cpu", "cpu"]) as pool, torch.no_grad(), disable_offloading():
+    with torch.no_grad(), disable_offloading():
         with pytest.raises(write_back.WriteBackError, match=message):
-            write_batches(pool, [batch])
+            write_batches([batch])
         finished = list(events)
     print("write events:", finished)
     started = [event for event in finished if event.startswith("start")]
@@ -321,8 +318,8 @@ def test_serial_where_the_caches_are_not_known_to_be_safe(tmp_path, monkeypatch)
 
 def test_serial_paths_write_in_the_calling_thread(monkeypatch):
     batches = _layer()
-    with _writer_threads(monkeypatch) as threads, DeviceWorkerPool(["cpu", "cpu"]) as pool:
+    with _writer_threads(monkeypatch) as threads:
         monkeypatch.setattr(write_back, "is_distributed", lambda: True)
         with torch.no_grad(), disable_offloading():
-            write_batches(pool, [_results(batch, seed) for seed, batch in enumerate(batches)])
+            write_batches([_results(batch, seed) for seed, batch in enumerate(batches)])
     assert len(threads) == 8 and set(threads) == {threading.current_thread().name}

@@ -309,8 +309,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             results = run_update_jobs(self._pool, jobs, update)
             self._log_placement(results, time.perf_counter() - start)
             write_batches(
-                self._pool,
-                [self._batch_write(batch, result) for batch, result in zip(batches, results)],
+                [self._batch_write(batch, result) for batch, result in zip(batches, results)]
             )
             for batch, result in zip(batches, results):
                 self._record(batch, result)

@@ -59,7 +59,6 @@ from torch import nn
 from llmcompressor.modifiers.gptq.helpers import update_batch_qparams
 
 from llmcompressor_parallel.engine.thread_context import ThreadContext
-from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 
 __all__ = [
     "BatchWrite",
@@ -123,13 +122,13 @@ MAX_WRITE_THREADS = 8
 WRITE_THREAD_PREFIX = "llmc-parallel-write-back"
 
 
-def write_batches(pool: DeviceWorkerPool | None, batches: Sequence[BatchWrite]) -> None:
-    """Write every batch's results: on copy threads where that is safe and the layer's
-    updates ran on a pool (`pool` not None), else serially in the calling thread."""
+def write_batches(batches: Sequence[BatchWrite], concurrent: bool = True) -> None:
+    """Write every batch's results: on copy threads where `concurrent` and that is safe,
+    else serially in the calling thread."""
     start = time.perf_counter()
     modules = [module for batch in batches for module in batch.modules]
-    reason = "no worker pool" if pool is None else serial_write_back_reason(modules)
-    if pool is not None and reason is None and len(modules) >= 2:
+    reason = serial_write_back_reason(modules) if concurrent else "asked for"
+    if reason is None and len(modules) >= 2:
         threads = _write_concurrently(batches)
         where = f"{threads} threads"
     else:
@@ -175,9 +174,9 @@ def _write_concurrently(batches: Sequence[BatchWrite]) -> int:
     with ThreadPoolExecutor(len(shares), thread_name_prefix=WRITE_THREAD_PREFIX) as threads:
         futures = [threads.submit(_writer(share, context, device, failed)) for share in shares]
         wait(futures)
-    errors = [future.exception() for future in futures if future.exception() is not None]
-    if errors:
-        raise errors[0]
+    for error in (future.exception() for future in futures):
+        if error is not None:
+            raise error
     return len(shares)
 
 
@@ -217,8 +216,8 @@ def _writer(
 def _current_cuda_device() -> int | None:
     """The caller's current CUDA device, if CUDA is in use.
 
-    A pool thread has its own device current; the write-back makes the caller's
-    current instead, so that anything resolved without a device index (an offload
+    A fresh thread has device 0 current; the write-back makes the caller's current
+    instead, so that anything resolved without a device index (an offload
     cache's `"cuda"`, an allocation) resolves as in the calling thread. The copies
     themselves run on their tensors' devices either way.
     """
