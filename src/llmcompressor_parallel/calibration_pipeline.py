@@ -69,7 +69,7 @@ from llmcompressor_parallel.engine.part_onload import (
     recorded_device,
 )
 from llmcompressor_parallel.engine.replicate import NotReplicable
-from llmcompressor_parallel.engine.scatter_gather import split_sizes
+from llmcompressor_parallel.engine.scatter_gather import split_ranges
 from llmcompressor_parallel.engine.thread_context import ThreadContext
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 
@@ -387,9 +387,7 @@ class _PassRunner:
     ) -> None:
         """Part k runs the k-th contiguous run of batches on its device, in batch order."""
         num_batches = len(self.activations)
-        starts = [0]
-        for size in split_sizes(num_batches, replicas.parts):
-            starts.append(starts[-1] + size)
+        ranges = split_ranges(num_batches, replicas.parts)
         _compile(subgraph)
         context = ThreadContext.capture()
         lock = threading.Lock()
@@ -403,7 +401,7 @@ class _PassRunner:
 
             def run() -> None:
                 with context.applied():
-                    for batch_idx in range(starts[part], starts[part + 1]):
+                    for batch_idx in range(*ranges[part]):
                         home = own_device and recorded_device(cache, batch_idx, names)
                         if home is None:
                             inputs = cache.fetch(batch_idx, names)

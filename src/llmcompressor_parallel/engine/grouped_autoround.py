@@ -71,7 +71,7 @@ from llmcompressor_parallel.engine.offload_forward import (
     wrapper_target,
 )
 from llmcompressor_parallel.engine.replicate import NotReplicable, ReplicaSet
-from llmcompressor_parallel.engine.scatter_gather import split_sizes
+from llmcompressor_parallel.engine.scatter_gather import split_ranges
 
 __all__ = [
     "GroupedAutoRoundExperts",
@@ -618,16 +618,9 @@ class GroupedAutoRoundExperts:
         H200s: bench/probe.py expert-split-bits), so the gradients are the home-only
         path's.
         """
-        devices = [
-            runner.device if module is site.home else plans[module].runner.device
-            for module in modules
-        ]
-        count = min(parts, runner.num_experts)
-        bounds, start = [], 0
-        for size in split_sizes(runner.num_experts, count):
-            bounds.append((start, start + size))
-            start += size
-        rows = runner.qdq_rows_by_range(bounds, devices[:count])
+        runners = [runner if module is site.home else plans[module].runner for module in modules]
+        bounds = split_ranges(runner.num_experts, min(parts, runner.num_experts))
+        rows = runner.qdq_rows_by_range(bounds, [part.device for part in runners])
         ranges = [
             stacks_from_rows(gate_up, down, runner, experts=stop - first)
             for (gate_up, down), (first, stop) in zip(rows, bounds)
@@ -635,15 +628,14 @@ class GroupedAutoRoundExperts:
         recorders = stack_recorders(
             ranges, replicas.devices[:parts], site.name, [first for first, _ in bounds]
         )
-        shipped = {}
-        for part, module in enumerate(modules):
-            target = runner if module is site.home else plans[module].runner
-            shipped[module] = _ShippedRows(
+        return {
+            module: _ShippedRows(
                 _assembled([r[0] for r in rows], target.dtype, target.device),
                 _assembled([r[1] for r in rows], target.dtype, target.device),
-                recorders[part],
+                recorder,
             )
-        return shipped
+            for module, target, recorder in zip(modules, runners, recorders)
+        }
 
     def _count(self, stock: bool, name: str = "", reason: str = "") -> None:
         with self._lock:

@@ -237,14 +237,19 @@ class StackedQdq:
         only, so each range equals the whole stack's rows bit for bit (measured on
         H200s: bench/probe.py expert-split-bits).
         """
-        per = self.weight.shape[0] // len(self.wrappers)
-        rows = self.weight[start * per : stop * per]
+        rows = self._wrapper_rows(self.weight, start, stop)
         if device != self.weight.device:
             key = (device, start, stop)
             if key not in self._weight_copies:
                 self._weight_copies[key] = rows.to(device)
             rows = self._weight_copies[key]
         return self._quantize(start, stop, rows, fp32=True, device=device)
+
+    def _wrapper_rows(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """`tensor`'s rows of wrappers [start, stop): the stacks hold the same number of
+        rows per wrapper, in wrapper order (a view)."""
+        per = tensor.shape[0] // len(self.wrappers)
+        return tensor[start * per : stop * per]
 
     def _quantize(
         self,
@@ -265,13 +270,11 @@ class StackedQdq:
             }
         if fp32 and _fp32_exact(weight.dtype, layer.scale_dtype):
             weight = weight.float()
-        whole = start == 0 and stop == len(self.wrappers)
 
         def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            if tensor is None or whole:
-                return tensor
-            per = tensor.shape[0] // len(self.wrappers)
-            return tensor[start * per : stop * per].to(device or tensor.device)
+            if tensor is None:
+                return None
+            return self._wrapper_rows(tensor, start, stop).to(device or tensor.device)
 
         weight_q, _, _ = first.weight_quant_func(
             weight,

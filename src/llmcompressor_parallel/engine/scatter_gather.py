@@ -14,13 +14,22 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["split_sizes", "split_call", "gather_outputs", "move_to"]
+__all__ = ["split_sizes", "split_ranges", "split_call", "gather_outputs", "move_to"]
 
 
 def split_sizes(batch: int, parts: int) -> list[int]:
     """As-even-as-possible sizes, larger first: 5 over 3 gives [2, 2, 1]."""
     base, extra = divmod(batch, parts)
     return [base + (1 if index < extra else 0) for index in range(parts)]
+
+
+def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
+    """`split_sizes` as contiguous [start, stop) ranges: 5 over 3 gives (0, 2), (2, 4), (4, 5)."""
+    ranges, start = [], 0
+    for size in split_sizes(total, parts):
+        ranges.append((start, start + size))
+        start += size
+    return ranges
 
 
 def _is_batched(value: Any, batch: int) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from llmcompressor.modifiers.gptq.helpers import MIN_BATCHED_CHOLESKY_SIZE
 from torch import nn
 
-from llmcompressor_parallel.engine.scatter_gather import split_sizes
+from llmcompressor_parallel.engine.scatter_gather import split_ranges
 
 __all__ = ["split_for_devices"]
 
@@ -34,8 +34,5 @@ def split_for_devices(batches: list[list[nn.Module]], devices: int) -> list[list
         if parts < 2:
             chunked.append(batch)
             continue
-        start = 0
-        for size in split_sizes(len(batch), parts):
-            chunked.append(batch[start : start + size])
-            start += size
+        chunked.extend(batch[start:stop] for start, stop in split_ranges(len(batch), parts))
     return chunked
