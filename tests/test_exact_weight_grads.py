@@ -47,14 +47,10 @@ def test_split_batch_gradients_are_stock_bits(amp, parts, batch):
     assert shares == {name: 1.0 for name in (*PARAMS, "input")}
 
 
-@pytest.mark.parametrize("amp", [True, False], ids=["bf16-autocast", "fp32"])
-@pytest.mark.parametrize("parts,batch", [(2, 4), (3, 4)], ids=["2-even", "3-uneven"])
-def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch, monkeypatch):
-    """Experts grouped on all tokens with qdq once: the experts are cut into one range
-    per part, whose qdq and stacks' gradients (gathered from every part's rows,
-    gathered_weight.py, "bmm" layouts) run on that part's device."""
-    block = wrapped_block(dtype=torch.bfloat16 if amp else torch.float32)
-    x = inputs(batch=batch)
+def _stock_and_split(block, x, amp: bool, parts: int, monkeypatch) -> tuple:
+    """Stock's call, then ours with grouped experts over `parts` CPU parts (exact, all
+    tokens); returns (stock, ours, the expert ranges each call was cut into, the share
+    of bit-identical gradients per tuning parameter)."""
     stock = run(block, x, amp=amp)
     ranges = []
     by_range = QuantizedGroupedExperts.qdq_rows_by_range
@@ -66,7 +62,17 @@ def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch,
     monkeypatch.setattr(QuantizedGroupedExperts, "qdq_rows_by_range", spied)
     with DeviceWorkerPool([torch.device("cpu")] * parts) as pool:
         ours = run(block, x, amp=amp, pool=pool, grouped=dict(all_tokens="auto", exact=True))
-    shares = _identical_share(stock[1], ours[1])
+    return stock, ours, ranges, _identical_share(stock[1], ours[1])
+
+
+@pytest.mark.parametrize("amp", [True, False], ids=["bf16-autocast", "fp32"])
+@pytest.mark.parametrize("parts,batch", [(2, 4), (3, 4)], ids=["2-even", "3-uneven"])
+def test_grouped_experts_split_batch_gradients_are_stock_bits(amp, parts, batch, monkeypatch):
+    """Experts grouped on all tokens with qdq once: the experts are cut into one range
+    per part, whose qdq and stacks' gradients (gathered from every part's rows,
+    gathered_weight.py, "bmm" layouts) run on that part's device."""
+    block = wrapped_block(dtype=torch.bfloat16 if amp else torch.float32)
+    stock, ours, ranges, shares = _stock_and_split(block, inputs(batch=batch), amp, parts, monkeypatch)
     print(f"\ngrouped, {parts} parts, amp={amp}: expert ranges {ranges}; "
           f"share of bit-identical gradients {shares}")
     assert NUM_EXPERTS == 8
@@ -186,19 +192,7 @@ def test_more_parts_than_experts_cut_one_expert_per_range(monkeypatch):
     is starved (top-1 routing never picks it): its range's gradient comes from zeros, as
     stock's all-token one does."""
     block = wrapped_block(dtype=torch.float32, num_experts=2, top_k=1)
-    x = inputs(batch=3)
-    stock = run(block, x, amp=False)
-    ranges = []
-    by_range = QuantizedGroupedExperts.qdq_rows_by_range
-
-    def spied(self, bounds, devices):
-        ranges.append(list(bounds))
-        return by_range(self, bounds, devices)
-
-    monkeypatch.setattr(QuantizedGroupedExperts, "qdq_rows_by_range", spied)
-    with DeviceWorkerPool([torch.device("cpu")] * 3) as pool:
-        ours = run(block, x, amp=False, pool=pool, grouped=dict(all_tokens="auto", exact=True))
-    shares = _identical_share(stock[1], ours[1])
+    stock, ours, ranges, shares = _stock_and_split(block, inputs(batch=3), False, 3, monkeypatch)
     print(f"\n2 experts, 3 parts: expert ranges {ranges}; share of bit-identical gradients {shares}")
     assert ranges == [[(0, 1), (1, 2)]]
     assert ours[3].shipped_calls == 1 and ours[3].stock_calls == 0
