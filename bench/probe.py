@@ -11,7 +11,7 @@ by GPU time and by host time, and the wall time to compare the GPUs' busy time w
 the Python functions by cumulative time; the stats file goes to --out for pstats.
 `autoround-capture`: the same over the second decoder layer's input-capture pass (the
 pipeline's calibration forwards between the first and the second layer's epoch ends).
-`autoround-timeline`: torch.profiler over tuning iterations --skip+1 .. --skip+--iters-window
+`autoround-timeline`: torch.profiler over tuning iterations --skip+1 .. --skip+--window
 of the second decoder layer (no synchronisation inside): per GPU, the seconds it was busy
 (kernels and copies, overlaps counted once) against the window's wall time, its largest
 idle gaps, its top kernels; per host thread, the busy seconds of its top-level ops; then
