@@ -17,6 +17,10 @@ synchronised only at the edges of capture, reference, tuning and quantized-input
 three synchronisations an iteration: the host can no longer queue one part while the
 GPUs finish the last, so every configuration runs slower than it does unmeasured.
 
+Each configuration runs in a fresh process of its own (`--isolate on`, the default), as a
+user's run does: no configuration inherits the state (host and GPU memory, caches) that
+the ones before it left.
+
 `--pipeline parallel_sequential` runs ours on >= 2 GPUs under that pipeline (the layers'
 input-capture passes data-parallel too); its configs are named "-pp".
 """
@@ -40,7 +44,8 @@ from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.autoround import AutoRoundModifier  # noqa: E402
 from llmcompressor_parallel import DataParallelAutoRoundModifier  # noqa: E402
 from phases import PhaseTimer, autoround_phases  # noqa: E402
-from report import bench_folders, emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
+from isolated import run_configuration  # noqa: E402
+from report import bench_folders, emit, plot  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 
 
@@ -63,7 +68,7 @@ def _variant_suffix(gpus: int, tokens: str, qdq_once: bool, exact: bool = True) 
 
 
 def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | None = None,
-              tokens: str = "auto", qdq_once: bool = True, exact: bool = True):
+              tokens: str = "auto", qdq_once: bool = True, exact: bool = True, nan_fill: bool = False):
     """gpus=None: stock; else ours on that many devices (1: data_parallel="off")."""
     common = dict(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"],
                   iters=args.iters, batch_size=args.batch_size, enable_torch_compile=False)
@@ -76,19 +81,20 @@ def _modifier(gpus: int | None, args: argparse.Namespace, keep_cache: bool | Non
     return DataParallelAutoRoundModifier(data_parallel=data_parallel, keep_cache_on_gpu=keep_cache,
                                          grouped_experts=not args.no_grouped,
                                          grouped_expert_tokens=tokens, grouped_qdq_once=qdq_once,
-                                         exact_gradients=exact, **common)
+                                         exact_gradients=exact, nan_fill_new_tensors=nan_fill,
+                                         **common)
 
 
 def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: Path | None,
          variant: tuple = ()) -> tuple[PhaseTimer, float]:
     timer = PhaseTimer()
-    reset_peak_memory()
     torch.manual_seed(0)
     start = time.perf_counter()
     extra = {"pipeline": variant[4]} if len(variant) > 4 and variant[4] != "sequential" else {}
+    nan_fill = variant[5] if len(variant) > 5 else False
     with autoround_phases(timer, fine=args.phases == "fine"):
         oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
-                recipe=_modifier(gpus, args, *variant[:4]), num_calibration_samples=args.samples,
+                recipe=_modifier(gpus, args, *variant[:4], nan_fill=nan_fill), num_calibration_samples=args.samples,
                 max_seq_length=args.seq_len, output_dir=str(save_dir) if save_dir else None,
                 **extra)
     return timer, time.perf_counter() - start
@@ -127,10 +133,15 @@ def main() -> None:
     parser.add_argument("--pipeline", nargs="+", choices=["sequential", "parallel_sequential"],
                         default=["sequential"], help="oneshot pipeline of ours on >= 2 GPUs "
                         "(parallel_sequential: capture passes data-parallel); several run in turn")
+    parser.add_argument("--nan-fill", nargs="+", choices=["off", "on"], default=["off"],
+                        help="nan_fill_new_tensors; configs with it on are named \"-nanfill\"")
     parser.add_argument("--phases", choices=["coarse", "fine"], default="coarse",
                         help="fine: also time the tuning loop's forward/backward/step, which "
                              "synchronises the GPUs three times an iteration and slows the layer")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
+    parser.add_argument("--isolate", choices=["on", "off"], default="on",
+                        help="on: each configuration in a fresh process of its own (a user's run); "
+                             "off: all in this process, one after the other")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-")
     records = []
@@ -138,23 +149,26 @@ def main() -> None:
         model_dir = save_random_model(shape, args.layers, work / f"{shape}-{args.layers}-layers")
         stock_seconds = None
         configs = {"stock-1gpu": (None, ())}
-        for cache, tokens, qdq, exact, pipeline, g in itertools.product(
-            args.cache, args.expert_tokens, args.qdq_once, args.exact, args.pipeline, args.gpus
+        for cache, tokens, qdq, exact, pipeline, nan_fill, g in itertools.product(
+            args.cache, args.expert_tokens, args.qdq_once, args.exact, args.pipeline, args.nan_fill,
+            args.gpus,
         ):
             # by name: "default" on 2 GPUs and "on" are one configuration; qdq, exact and
             # the pipeline are moot on 1
             keep_cache = CACHE_CHOICES[cache]
             pipeline = pipeline if g > 1 else "sequential"
-            variant = (keep_cache, tokens, qdq == "on", exact == "on", pipeline)
+            variant = (keep_cache, tokens, qdq == "on", exact == "on", pipeline, nan_fill == "on")
             name = (f"ours-{g}gpu" + _cache_suffix(g, keep_cache) + _variant_suffix(g, *variant[1:4])
-                    + ("-pp" if pipeline == "parallel_sequential" else ""))
+                    + ("-pp" if pipeline == "parallel_sequential" else "")
+                    + ("-nanfill" if nan_fill == "on" else ""))
             configs.setdefault(name, (g, variant))
         for name, (gpus, variant) in configs.items():
             if gpus is not None and not args.cpu and gpus > torch.cuda.device_count():
                 emit({"shape": shape, "config": name, "skipped": "not enough GPUs"}, out)
                 continue
             save_dir = work / f"{shape}-{name}"
-            timer, total = _run(model_dir, gpus, args, save_dir, variant)
+            (timer, total), peaks = run_configuration(args.isolate == "on", _run, model_dir, gpus, args,
+                                                      save_dir, variant)
             layer = timer.layers[-1]  # the last layer: warm, steady state
             seconds = layer["capture"] + layer["layer_work"]
             record = {
@@ -165,7 +179,7 @@ def main() -> None:
                 "phases": {k: round(v, 3) for k, v in layer.items()},
                 "all_layers": [{k: round(v, 3) for k, v in l.items()} for l in timer.layers],
                 "block_losses": timer.losses, "total_seconds": round(total, 1),
-                "peak_memory_gib": peak_memory_gib(),
+                "peak_memory_gib": peaks, "isolated": args.isolate == "on",
             }
             if gpus is None:
                 stock_seconds, stock_tuning, stock_layer = seconds, layer.get("tuning", 0.0), layer
@@ -176,7 +190,7 @@ def main() -> None:
                                             for k in stock_layer}
                 record["parallel_efficiency"] = round(record["tuning_speedup"] / gpus, 3)
                 (record["keep_cache_on_gpu"], record["expert_tokens"], record["qdq_once"],
-                 record["exact_gradients"], record["pipeline"]) = variant
+                 record["exact_gradients"], record["pipeline"], record["nan_fill_new_tensors"]) = variant
                 record["vs_stock_checkpoint"] = _agreement(work / f"{shape}-stock-1gpu", save_dir)
             emit(record, out)
             records.append(record)

@@ -5,7 +5,8 @@ dense), the same calibration tokens for every configuration. Ours runs under the
 "parallel_sequential" pipeline (calibration forwards data-parallel) with the update pool,
 and with grouped experts unless --no-grouped. Prints one JSON line per configuration:
 per-layer time and speedup, per-phase times (calibration, updates, propagation), peak
-memory per GPU, agreement of the saved checkpoint with stock; writes a PNG.
+memory per GPU, agreement of the saved checkpoint with stock; writes a PNG. Each
+configuration runs in a fresh process of its own (`--isolate on`, bench/isolated.py).
 
     python bench/bench_gptq.py --shapes qwen3-30b-a3b llama3-8b --gpus 1 2 --samples 128 --out bench/out
     python bench/bench_gptq.py --shapes qwen3-235b-a22b --gpus 1 2 --samples 64 --out bench/out
@@ -30,7 +31,8 @@ from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
 from llmcompressor_parallel import ParallelGPTQExpertModifier  # noqa: E402
 from oneshot_runs import compare_checkpoints  # noqa: E402
 from phases import PhaseTimer, gptq_phases  # noqa: E402
-from report import bench_folders, emit, peak_memory_gib, plot, reset_peak_memory  # noqa: E402
+from isolated import run_configuration  # noqa: E402
+from report import bench_folders, emit, plot  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 from tiny_models import load_saved_tensors  # noqa: E402
 
@@ -48,7 +50,6 @@ def _run(model_dir: Path, gpus: int | None, args: argparse.Namespace, save_dir: 
         )
         pipeline = "parallel_sequential"
     timer = PhaseTimer()
-    reset_peak_memory()
     torch.manual_seed(0)
     start = time.perf_counter()
     with gptq_phases(timer):
@@ -70,6 +71,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--work", default=None, help="folder for models and checkpoints")
     parser.add_argument("--cpu", action="store_true", help="smoke test: CPU replicas instead of GPUs")
+    parser.add_argument("--isolate", choices=["on", "off"], default="on",
+                        help="on: each configuration in a fresh process of its own (a user's run); "
+                             "off: all in this process, one after the other")
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-bench-gptq-")
     records = []
@@ -82,7 +86,8 @@ def main() -> None:
                 emit({"bench": "gptq", "shape": shape, "config": name, "skipped": "not enough GPUs"}, out)
                 continue
             save_dir = work / f"{shape}-{name}"
-            timer, total = _run(model_dir, gpus, args, save_dir)
+            (timer, total), peaks = run_configuration(args.isolate == "on", _run, model_dir, gpus, args,
+                                                      save_dir)
             layer = timer.layers[-1]
             seconds = sum(layer.values())
             record = {
@@ -90,7 +95,8 @@ def main() -> None:
                 "samples": args.samples, "seq_len": args.seq_len, "seconds_per_layer": round(seconds, 3),
                 "phases": {k: round(v, 3) for k, v in layer.items()},
                 "all_layers": [{k: round(v, 3) for k, v in l.items()} for l in timer.layers],
-                "total_seconds": round(total, 1), "peak_memory_gib": peak_memory_gib(),
+                "total_seconds": round(total, 1), "peak_memory_gib": peaks,
+                "isolated": args.isolate == "on",
             }
             if stock is None:
                 stock = layer

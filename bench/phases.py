@@ -3,7 +3,10 @@
 Phases of each decoder layer: `capture` (the pipeline's calibration forwards that
 record the layer inputs), `reference` (auto-round's no-grad pass for the float
 outputs), `tuning` (the SignRound loop), `quantized_input` (the no-grad pass through
-the quantized layer); for GPTQ: `calibration`, `updates`, `propagation`.
+the quantized layer), and around those `block` (auto-round's whole `quantize_block`:
+its set-up, wrapping and unwrapping included; the rest of `layer_work` is
+llm-compressor's and the data-parallel modifier's own work around it); for GPTQ:
+`calibration`, `updates`, `propagation`.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def autoround_phases(timer: PhaseTimer, fine: bool = False) -> Iterator[None]:
     from auto_round.algorithms.block_runner import BlockForwardRunner
     from auto_round.algorithms.quantization.sign_round import quantizer as quantizer_module
     from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
+    from auto_round.compressors.orchestrator import CompressionOrchestrator
     from llmcompressor.modifiers.autoround import AutoRoundModifier
 
     full_passes = {"count": 0}
@@ -114,6 +118,7 @@ def autoround_phases(timer: PhaseTimer, fine: bool = False) -> Iterator[None]:
         timer.losses = stack.enter_context(block_losses())
         stack.enter_context(patched(BlockForwardRunner, "forward", forward))
         stack.enter_context(patched(SignRoundQuantizer, "quantize_block", timed_as("tuning")))
+        stack.enter_context(patched(CompressionOrchestrator, "quantize_block", timed_as("block")))
         if fine:
             stack.enter_context(
                 patched(SignRoundQuantizer, "_scale_loss_and_backward", timed_as("tuning.backward"))

@@ -22,6 +22,8 @@ every bit: the all-token weight-gradient bmm of each range against the whole bmm
 rows, and auto-round's int qdq (forward, and the gradients of value, min_scale and
 max_scale) of each range's stacked rows against the whole stack's.
 `gptq-updates`: the same over the last layer's GPTQ update phase (`compress_modules`).
+`gptq-update-variants`: ours once per scheduling variant of the GPTQ update pool (see
+GPTQ_UPDATE_VARIANTS): each layer's update phase and its jobs' timeline.
 `gptq-rowsplit`: stock `quantize_weight` on one update batch against the same batch cut
 by rows over the GPUs (same Hessians on each): equal bits? and the seconds of each,
 of the Hessian factorisation alone, and of the halves run at once from two threads.
@@ -33,6 +35,7 @@ of the Hessian factorisation alone, and of the halves run at once from two threa
     python bench/probe.py autoround-timeline --shape qwen3-30b-a3b --gpus 2 --iters 20 --out bench/out
     python bench/probe.py expert-split-bits --gpus 2
     python bench/probe.py gptq-updates --shape llama3-8b --gpus 2 --samples 16 --out bench/out
+    python bench/probe.py gptq-update-variants --shape qwen3-235b-a22b --gpus 2 --samples 16
     python bench/probe.py gptq-rowsplit --gpus 2
 """
 
@@ -60,7 +63,8 @@ from llmcompressor_parallel import (  # noqa: E402
     DataParallelAutoRoundModifier,
     ParallelGPTQExpertModifier,
 )
-from phases import patched, sync_gpus  # noqa: E402
+import llmcompressor_parallel.modifiers.gptq as parallel_gptq_module  # noqa: E402
+from phases import PhaseTimer, gptq_phases, patched, sync_gpus  # noqa: E402
 from report import bench_folders  # noqa: E402
 from shapes import random_tokens, save_random_model  # noqa: E402
 
@@ -454,6 +458,64 @@ def gptq_updates(args: argparse.Namespace, work: Path, out: Path) -> None:
     report()
 
 
+GPTQ_UPDATE_VARIANTS = {
+    # name: (warm up with one job in the caller every layer, copy inputs from another
+    #        GPU on its default stream)
+    "session7": (True, True),
+    "warm-once": (False, True),
+    "side-stream-copies": (False, False),
+}
+
+
+def gptq_update_variants(args: argparse.Namespace, work: Path, out: Path) -> None:
+    """Ours on the same layers once per variant of the update pool (the current code is
+    "side-stream-copies"; the others patch parts of it back to what they were): each
+    layer's update phase, pool and write-back seconds, and its jobs' timeline."""
+    import llmcompressor_parallel.engine.update_pool as update_pool
+    from torch.utils._pytree import tree_map
+
+    model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
+    real_run, real_write = parallel_gptq_module.run_update_jobs, parallel_gptq_module.write_batches
+    for name in args.variants:
+        warm_every_layer, default_stream_copies = GPTQ_UPDATE_VARIANTS[name]
+        layers: list[str] = []
+
+        def run(pool, jobs, update, warmed=None):
+            start = time.perf_counter()
+            results = real_run(pool, jobs, update, None if warm_every_layer else warmed)
+            spans = " ".join(
+                f"[{r.place.split()[0][0]}{r.worker if r.worker is not None else ''} "
+                f"{(r.started - start) * 1e3:.0f}-{(r.started + r.seconds - start) * 1e3:.0f}]"
+                for r in results)
+            layers.append(f"pool {(time.perf_counter() - start) * 1e3:.0f} ms, "
+                          f"jobs {sum(r.seconds for r in results) * 1e3:.0f} ms: {spans}")
+            return results
+
+        def write(*call_args, **call_kwargs):
+            start = time.perf_counter()
+            real_write(*call_args, **call_kwargs)
+            layers[-1] += f"; write-back {(time.perf_counter() - start) * 1e3:.0f} ms"
+
+        def plain_copy(tree, device, context):
+            return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree)
+
+        timer = PhaseTimer()
+        recipe = ParallelGPTQExpertModifier(data_parallel=_devices(args.gpus), **COMMON)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched(parallel_gptq_module, "run_update_jobs", lambda _real: run))
+            stack.enter_context(patched(parallel_gptq_module, "write_batches", lambda _real: write))
+            if default_stream_copies:
+                stack.enter_context(patched(update_pool, "_copy_to", lambda _real: plain_copy))
+            stack.enter_context(gptq_phases(timer))
+            oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
+                    recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len,
+                    shuffle_calibration_samples=False, pipeline="parallel_sequential")
+        updates = [layer.get("updates", 0.0) for layer in timer.layers]
+        print(f"variant {name}: update phase per layer {', '.join(f'{u:.3f}' for u in updates)} s")
+        for line in layers:
+            print(f"    {line}")
+
+
 # (batch, rows, columns) of update batches: Llama-3-8B modules, a per-GPU chunk of
 # Qwen3-235B-A22B / Qwen3-30B-A3B experts (gate/up, then down)
 ROWSPLIT_SHAPES = [(1, 4096, 14336), (1, 14336, 4096), (1, 4096, 4096), (1, 1024, 4096),
@@ -539,7 +601,8 @@ def main() -> None:
     parser.add_argument(
         "probe",
         choices=["gptq-pass", "autoround-profile", "autoround-host", "autoround-capture",
-                 "autoround-timeline", "expert-split-bits", "gptq-updates", "gptq-rowsplit"],
+                 "autoround-timeline", "expert-split-bits", "gptq-updates", "gptq-update-variants",
+                 "gptq-rowsplit"],
     )
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--gpus", type=int, default=2)
@@ -551,6 +614,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--skip", type=int, default=5, help="autoround-timeline: iterations before the window")
     parser.add_argument("--window", type=int, default=10, help="autoround-timeline: iterations profiled")
+    parser.add_argument("--variants", nargs="+", choices=list(GPTQ_UPDATE_VARIANTS),
+                        default=list(GPTQ_UPDATE_VARIANTS), help="gptq-update-variants")
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
@@ -563,6 +628,8 @@ def main() -> None:
         expert_split_bits(args, work, out)
     elif args.probe == "gptq-updates":
         gptq_updates(args, work, out)
+    elif args.probe == "gptq-update-variants":
+        gptq_update_variants(args, work, out)
     elif args.probe == "gptq-rowsplit":
         gptq_rowsplit(args, work, out)
     else:

@@ -103,6 +103,23 @@ def test_parallel_updates_equal_stock(model_dirs, tmp_path, kind, args, devices)
     assert live_worker_threads() == []
 
 
+def test_only_the_first_layer_warms_up_in_the_caller(model_dirs, tmp_path):
+    """Later layers hand every batch to the workers at once; the bits stay stock's."""
+    expected = stock(model_dirs, tmp_path, "moe", MOE_ARGS)
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO")
+    try:
+        recipe = ParallelGPTQExpertModifier(data_parallel=["cpu", "cpu"], **MOE_ARGS)
+        actual, _ = quantize(model_dirs["moe"], recipe, tmp_path / "parallel")
+    finally:
+        logger.remove(sink)
+    placements = [line for line in lines if "GPTQ updates:" in line]
+    print("\n".join(placements))
+    assert len(placements) == 2  # two decoder layers
+    assert "caller" in placements[0] and "caller" not in placements[1]
+    assert_identical(expected, actual)
+
+
 def test_data_parallel_off_is_stock(model_dirs, tmp_path):
     expected = stock(model_dirs, tmp_path, "moe", MOE_ARGS)
     recipe = ParallelGPTQExpertModifier(data_parallel="off", **MOE_ARGS)
@@ -256,6 +273,21 @@ def test_failing_job_stops_the_queue_and_names_the_worker():
             run_update_jobs(pool, jobs, update)
     assert len(started) < len(jobs), "workers kept taking jobs after a failure"
     assert live_worker_threads() == []
+
+
+def test_a_warmed_kind_starts_the_workers_at_once():
+    """The first layer warms each kind of job up in the caller; later layers do not."""
+    warmed: set = set()
+    with DeviceWorkerPool(["cpu", "cpu"]) as pool:
+        first = run_update_jobs(pool, [_job(f"job{i}", i, 10 - i) for i in range(4)], _where, warmed)
+        second = run_update_jobs(pool, [_job(f"job{i}", i, 10 - i) for i in range(4)], _where, warmed)
+        other_kind = [UpdateJob("other", {"x": torch.tensor(5.0)}, torch.device("cpu"), 1, kind="b")]
+        third = run_update_jobs(pool, other_kind + [_job("job", 1, 2)], _where, warmed)
+    assert [r.worker for r in first].count(None) == 1 and first[3].worker is None, "smallest first"
+    assert all(r.worker in (0, 1) for r in second)
+    assert third[0].worker is None and third[1].worker in (0, 1)
+    assert warmed == {None, "b"}
+    assert [r.value[0] for r in second] == [0, 2, 4, 6]
 
 
 # ---------------------------------------------------------------- GPUs (device machine)

@@ -7,13 +7,20 @@ update function is the caller's (stock library code), so a job gives the same bi
 on any device of the same kind as it gives on its home device.
 
 Rules, from DESIGN.md:
-- one job (the smallest, so the serial part stays short) runs first in the
-  caller's thread on its home device, so lazy set-up (Triton JIT, solver handles)
-  happens once before the workers start;
+- the first time the pool meets a kind of job (`UpdateJob.kind`, e.g. GPTQ's scheme
+  and dtype), one job of that kind (the smallest, so the serial part stays short)
+  runs first in the caller's thread on its home device, so lazy set-up (Triton JIT,
+  solver handles) happens once before the workers start; later layers start the
+  workers at once;
 - the workers then take the others largest first (the longest job must not start
   last); a worker takes the next job that fits its device's free memory; a device
   without room is skipped with a log line, and a job no device has room for runs
   in the caller's thread on its home device, as stock would run it;
+- a job's inputs on another GPU are copied on a stream of their own on that GPU,
+  after the work that produced them (an event the caller records before the
+  workers start): a copy issued on that GPU's default stream would wait behind
+  the other worker's job queued there (2 H200s, Qwen3-235B-A22B layer: the second
+  GPU's gate/up chunk took 1.81 s instead of 1.56 s, most of it waiting);
 - results stay on the device that computed them, and nothing is written anywhere
   here: the caller writes back only once every job has succeeded;
 - a failing worker stops the others from taking new jobs and is re-raised by the
@@ -26,7 +33,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 from loguru import logger
@@ -51,17 +58,20 @@ class UpdateJob:
         that runs the job; the update function must not modify them in place
     :param home: the device the serial (stock) code would run the job on
     :param bytes_needed: estimated peak device memory of the job, inputs included
+    :param kind: jobs of one kind share lazy set-up (see the module docstring)
     """
 
     name: str
     inputs: Any
     home: torch.device
     bytes_needed: int
+    kind: Hashable = None
 
 
 @dataclass(frozen=True)
 class UpdateResult(Generic[R]):
-    """What a job returned, where it ran and how long it took (copies included).
+    """What a job returned, where it ran, when it started (`time.perf_counter()`) and
+    how long it took (copies included).
 
     `worker` is the pool worker's index, or None for the calling thread.
     """
@@ -70,6 +80,7 @@ class UpdateResult(Generic[R]):
     device: torch.device
     worker: int | None
     seconds: float
+    started: float = 0.0
 
     @property
     def place(self) -> str:
@@ -82,16 +93,26 @@ UpdateFn = Callable[[Any, torch.device], R]
 
 
 def run_update_jobs(
-    pool: DeviceWorkerPool, jobs: Sequence[UpdateJob], update: UpdateFn
+    pool: DeviceWorkerPool,
+    jobs: Sequence[UpdateJob],
+    update: UpdateFn,
+    warmed: set[Hashable] | None = None,
 ) -> list[UpdateResult]:
-    """Run `update(inputs_on_device, device)` for every job; results in job order."""
+    """Run `update(inputs_on_device, device)` for every job; results in job order.
+
+    `warmed`: the kinds of job whose lazy set-up has run on this pool (updated here);
+    None: one job warms up in the caller every time.
+    """
     if not jobs:
         return []
-    context = ThreadContext.capture()
+    context = _CallerState.capture()
     results: list[UpdateResult | None] = [None] * len(jobs)
-    warm_up = min(range(len(jobs)), key=lambda index: jobs[index].bytes_needed)
-    results[warm_up] = _run_job(jobs[warm_up], jobs[warm_up].home, None, update, context)
-    queue = _JobQueue(jobs, taken=warm_up)
+    warm_ups = _warm_ups(jobs, warmed)
+    for index in warm_ups:
+        results[index] = _run_job(jobs[index], jobs[index].home, None, update, context)
+    if warmed is not None:
+        warmed.update(jobs[index].kind for index in warm_ups)
+    queue = _JobQueue(jobs, taken=warm_ups)
     if queue.has_pending():
         pool.run(
             [
@@ -112,13 +133,26 @@ def run_update_jobs(
     return results  # type: ignore[return-value]
 
 
+def _warm_ups(jobs: Sequence[UpdateJob], warmed: set[Hashable] | None) -> list[int]:
+    """The smallest job of each kind not yet warmed up (one job of all when `warmed`
+    is None), in job order."""
+    smallest: dict[Hashable, int] = {}
+    for index, job in enumerate(jobs):
+        kind = None if warmed is None else job.kind
+        if warmed is not None and kind in warmed:
+            continue
+        if kind not in smallest or job.bytes_needed < jobs[smallest[kind]].bytes_needed:
+            smallest[kind] = index
+    return sorted(smallest.values())
+
+
 class _JobQueue:
     """Jobs not yet taken, shared by the workers: largest first, first fit by memory."""
 
-    def __init__(self, jobs: Sequence[UpdateJob], taken: int):
+    def __init__(self, jobs: Sequence[UpdateJob], taken: Sequence[int]):
         self.jobs = jobs
         self._pending = sorted(
-            (index for index in range(len(jobs)) if index != taken),
+            (index for index in range(len(jobs)) if index not in taken),
             key=lambda index: -jobs[index].bytes_needed,
         )
         self._reserved: dict[torch.device, int] = {}
@@ -179,7 +213,7 @@ def _worker_loop(
     worker: int,
     device: torch.device,
     update: UpdateFn,
-    context: ThreadContext,
+    context: "_CallerState",
     results: list[UpdateResult | None],
 ) -> Callable[[], None]:
     """The job one worker runs: take jobs that fit its device until none is left."""
@@ -201,31 +235,74 @@ def _worker_loop(
     return loop
 
 
+@dataclass(frozen=True)
+class _CallerState:
+    """What jobs take from the calling thread: its grad/autocast state, and per GPU an
+    event recorded on its current stream once the jobs' inputs are there."""
+
+    thread: ThreadContext
+    inputs_ready: dict[int, torch.cuda.Event]
+
+    @classmethod
+    def capture(cls) -> "_CallerState":
+        ready = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in range(torch.cuda.device_count()):
+                ready[index] = torch.cuda.Event()
+                ready[index].record(torch.cuda.current_stream(index))
+        return cls(ThreadContext.capture(), ready)
+
+
 def _run_job(
     job: UpdateJob,
     device: torch.device,
     worker: int | None,
     update: UpdateFn,
-    context: ThreadContext,
+    context: _CallerState,
 ) -> UpdateResult:
     start = time.perf_counter()
-    with context.applied(), _on_device(device):
-        value = update(_copy_to(job.inputs, device), device)
+    with context.thread.applied(), _on_device(device):
+        value = update(_copy_to(job.inputs, device, context), device)
         if device.type == "cuda":
             # surface asynchronous errors here, in the thread that names the device
             torch.cuda.synchronize(device)
-    return UpdateResult(value, device, worker, time.perf_counter() - start)
+    return UpdateResult(value, device, worker, time.perf_counter() - start, start)
 
 
-def _copy_to(tree: Any, device: torch.device) -> Any:
+def _copy_to(tree: Any, device: torch.device, context: _CallerState) -> Any:
     """Blocking copy of every tensor of `tree` to `device` (no-op where it already is).
 
     Blocking, because a non-blocking device-to-host copy may be read before it lands.
+    From another GPU, the copy runs on a stream of this thread's own there, after the
+    caller's inputs-ready event (module docstring).
     """
-    return tree_map(
-        lambda value: value.to(device) if isinstance(value, torch.Tensor) else value,
-        tree,
-    )
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.device == device:
+            return value
+        source = value.device
+        if source.type != "cuda" or device.type != "cuda" or source.index not in context.inputs_ready:
+            return value.to(device)
+        stream = _copy_stream(source)
+        stream.wait_event(context.inputs_ready[source.index])
+        with torch.cuda.stream(stream):
+            copied = value.to(device)
+        return copied
+
+    return tree_map(copy, tree)
+
+
+_COPY_STREAMS = threading.local()
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's own stream on `device`, for copies out of it (kept for the thread's life)."""
+    streams = getattr(_COPY_STREAMS, "streams", None)
+    if streams is None:
+        streams = _COPY_STREAMS.streams = {}
+    if device.index not in streams:
+        streams[device.index] = torch.cuda.Stream(device)
+    return streams[device.index]
 
 
 @contextlib.contextmanager

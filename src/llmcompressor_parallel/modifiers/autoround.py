@@ -34,6 +34,7 @@ from llmcompressor_parallel.engine.foreach_sign_sgd import use_foreach_sign_sgd
 from llmcompressor_parallel.engine.forward_error_hooks import ForwardErrorHooks
 from llmcompressor_parallel.engine.gc_scope import young_objects_gc
 from llmcompressor_parallel.engine.grouped_autoround import GroupedAutoRoundExperts
+from llmcompressor_parallel.engine.uninitialized_fill import skipping_uninitialized_fill
 from llmcompressor_parallel.modifiers.autoround_capture import GroupedCapture
 from llmcompressor_parallel.modifiers.autoround_parallel_capture import (
     PartCapture,
@@ -136,6 +137,12 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         same way when tuned on all tokens with `grouped_qdq_once` (with
         `grouped_expert_tokens="auto"` the tokens are then chosen by memory, not
         "routed"); on routed tokens or without qdq once they keep per-replica sums.
+    :param nan_fill_new_tensors: auto-round switches on torch's deterministic
+        algorithms, under which torch fills every new tensor with NaN
+        (`torch.utils.deterministic.fill_uninitialized_memory`). False (default):
+        while a layer is tuned the fills are skipped; they change no value (stock's
+        integers, tests) and cost one kernel launch per new tensor, about 1,300 of
+        each tuning iteration at the Qwen3-30B-A3B shape. True: filled, as stock.
     """
 
     merged_hook: ClassVar[str] = "input_capture_hook"
@@ -146,6 +153,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     grouped_expert_tokens: ExpertTokens = "auto"
     grouped_qdq_once: bool = True
     exact_gradients: bool = True
+    nan_fill_new_tensors: bool = False
 
     _devices: list[torch.device] | None = PrivateAttr(default=None)
     _pool: DeviceWorkerPool | None = PrivateAttr(default=None)
@@ -159,7 +167,10 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
     def _check_parallel_batch(cls, value: Any) -> str:
         return check_allowed("parallel_batch", value, _PARALLEL_BATCH_VALUES)
 
-    @field_validator("grouped_experts", "grouped_qdq_once", "exact_gradients", mode="before")
+    @field_validator(
+        "grouped_experts", "grouped_qdq_once", "exact_gradients", "nan_fill_new_tensors",
+        mode="before",
+    )
     @classmethod
     def _check_grouped_flags(cls, value: Any, info: Any) -> bool:
         return check_allowed(info.field_name, value, (True, False))
@@ -371,6 +382,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
                 name = getattr(block, "_tmp_name", type(block).__name__)
                 use_foreach_sign_sgd(autoround)
                 with contextlib.ExitStack() as stack:
+                    stack.enter_context(skipping_uninitialized_fill(not modifier.nan_fill_new_tensors))
                     # grouped experts first, so that replicas copy the grouped forward
                     grouped = (
                         stack.enter_context(GroupedAutoRoundExperts(

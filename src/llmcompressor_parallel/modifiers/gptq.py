@@ -20,7 +20,7 @@ so a failure leaves the layer's weights and the modifier's Hessians untouched. F
 modules offloaded to host memory, each worker first copies its results into
 page-locked host memory (`engine.host_staging`), so that the write-back copies host
 to host instead of from the device into pageable memory. The write-back itself runs
-on the pool's threads, different modules at once, where compressed-tensors' caches
+on copy threads, different modules at once, where compressed-tensors' caches
 allow it (`gptq_write_back`); the log lines, RTN-fallback names, Hessian drops and
 counts follow in the calling thread, in stock's order.
 
@@ -131,6 +131,8 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
     _grouped: GroupedExpertsWiring | None = PrivateAttr(default=None)
     _sequential_targets_arg: str | list[str] | None = PrivateAttr(default=None)
     _worker_guard: ForwardErrorHooks | None = PrivateAttr(default=None)
+    # update-job kinds whose lazy set-up (Triton JIT) has run on this pool
+    _warmed_kinds: set[str] = PrivateAttr(default_factory=set)
 
     @field_validator("grouped_experts", mode="before")
     @classmethod
@@ -150,6 +152,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             self._grouped.install(state.model)
         if self._devices is not None and self._pool is None:
             self._pool = DeviceWorkerPool(self._devices)
+            self._warmed_kinds = set()
         if self._pool is not None and not self._in_parallel_pipeline:
             if self._worker_guard is None:
                 self._worker_guard = guard_workers(
@@ -306,7 +309,7 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
         with torch.no_grad(), disable_offloading():
             jobs = [self._batch_job(batch) for batch in batches]
             start = time.perf_counter()
-            results = run_update_jobs(self._pool, jobs, update)
+            results = run_update_jobs(self._pool, jobs, update, self._warmed_kinds)
             self._log_placement(results, time.perf_counter() - start)
             write_batches(
                 [self._batch_write(batch, result) for batch, result in zip(batches, results)]
@@ -338,6 +341,8 @@ class ParallelGPTQExpertModifier(GPTQModifier, DataParallelOptions):
             inputs=inputs,
             home=torch.device(get_execution_device(batch[0])),
             bytes_needed=_batch_bytes(inputs, self.block_size),
+            # what Triton specialises GPTQ's kernels on, besides shapes
+            kind=f"{inputs.weights[0].dtype}|{inputs.quant_args!r}|{self.block_size}",
         )
 
     def _batch_write(self, batch: list[nn.Module], result: UpdateResult) -> BatchWrite:
