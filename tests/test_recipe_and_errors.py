@@ -48,6 +48,7 @@ def test_shipped_recipe_parses():
         ("parallel_batch", "each", "allowed values: 'split', 'per_replica'"),
         ("grouped_experts", "yes", "allowed values: True, False"),
         ("keep_cache_on_gpu", "gpu", "allowed values: None, True, False"),
+        ("nan_fill_new_tensors", "no", "allowed values: True, False"),
     ],
 )
 def test_bad_knobs_fail_at_construction(field, value, fragment):

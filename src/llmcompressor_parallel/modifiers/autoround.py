@@ -141,8 +141,8 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         algorithms, under which torch fills every new tensor with NaN
         (`torch.utils.deterministic.fill_uninitialized_memory`). False (default):
         while a layer is tuned the fills are skipped; they change no value (stock's
-        integers, tests) and cost one kernel launch per new tensor, about 1,300 of
-        each tuning iteration at the Qwen3-30B-A3B shape. True: filled, as stock.
+        integers, tests) and cost one kernel per new tensor (2 H200s, Qwen3-30B-A3B
+        shape: tuning 7.5-12% faster without them). True: filled, as stock.
     """
 
     merged_hook: ClassVar[str] = "input_capture_hook"
