@@ -37,7 +37,7 @@ from typing import Any, Callable, Generic, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 from loguru import logger
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from llmcompressor_parallel.engine.thread_context import ThreadContext
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
@@ -105,7 +105,7 @@ def run_update_jobs(
     """
     if not jobs:
         return []
-    context = _CallerState.capture()
+    context = _CallerState.capture(jobs)
     results: list[UpdateResult | None] = [None] * len(jobs)
     warm_ups = _warm_ups(jobs, warmed)
     for index in warm_ups:
@@ -237,19 +237,20 @@ def _worker_loop(
 
 @dataclass(frozen=True)
 class _CallerState:
-    """What jobs take from the calling thread: its grad/autocast state, and per GPU an
-    event recorded on its current stream once the jobs' inputs are there."""
+    """What jobs take from the calling thread: its grad/autocast state, and per GPU that
+    holds inputs an event recorded on its current stream once they are there (only
+    those GPUs: asking for another's stream would create a CUDA context on it)."""
 
     thread: ThreadContext
     inputs_ready: dict[int, torch.cuda.Event]
 
     @classmethod
-    def capture(cls) -> "_CallerState":
+    def capture(cls, jobs: Sequence[UpdateJob]) -> "_CallerState":
         ready = {}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for index in range(torch.cuda.device_count()):
-                ready[index] = torch.cuda.Event()
-                ready[index].record(torch.cuda.current_stream(index))
+        for tensor in tree_flatten([job.inputs for job in jobs])[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.device.index not in ready:
+                ready[tensor.device.index] = torch.cuda.Event()
+                ready[tensor.device.index].record(torch.cuda.current_stream(tensor.device))
         return cls(ThreadContext.capture(), ready)
 
 
