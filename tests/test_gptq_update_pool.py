@@ -409,3 +409,20 @@ def test_batch_on_second_gpu_equals_home_gpu():
     for result in results:
         assert torch.equal(result.value.quantized.cpu(), expected.quantized.cpu())
         assert result.value.losses == expected.losses
+
+
+@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
+def test_inputs_from_another_gpu_are_read_after_the_caller_wrote_them():
+    """A worker copies its inputs from cuda:0 on a stream of its own: the copy must still
+    come after what the caller queued on cuda:0's stream before the pool started (here a
+    long sleep, then the write of the value), not read the tensor before it is written."""
+    home = torch.device("cuda", 0)
+    value = torch.zeros(1 << 20, device=home)
+    torch.cuda.synchronize(home)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the write
+    value.fill_(3.0)
+    jobs = [UpdateJob("from cuda:0", {"x": value}, home, 1)]
+    with DeviceWorkerPool(["cuda:1"]) as pool:  # warmed: no job in the caller, which would sync
+        results = run_update_jobs(pool, jobs, lambda inputs, device: inputs["x"].sum().item(), {None})
+    assert results[0].device == torch.device("cuda", 1)
+    assert results[0].value == 3.0 * (1 << 20)

@@ -1,8 +1,9 @@
-"""NaN fills of new tensors are skipped while a layer is tuned, and only then."""
+"""NaN fills of new tensors are skipped while auto-round's tuning loop runs, and only then."""
 
 import pytest
 import torch
 import torch.utils.deterministic as deterministic
+import auto_round.compressors.orchestrator as orchestrator
 from auto_round.algorithms.quantization.sign_round.quantizer import SignRoundQuantizer
 
 from llmcompressor import oneshot
@@ -40,17 +41,26 @@ def test_new_tensors_stay_unfilled_inside():
 
 @pytest.mark.parametrize("nan_fill", [False, True])
 def test_tuning_runs_with_the_knob_and_the_setting_comes_back(tmp_path, monkeypatch, nan_fill):
-    seen: list[bool] = []
-    original = SignRoundQuantizer.quantize_block
+    """Inside the tuning loop the knob's setting; in the rest of auto-round's per-layer
+    call (its move of the layer to host memory) and after, stock's."""
+    tuning: list[bool] = []
+    moving: list[bool] = []
+    original, original_move = SignRoundQuantizer.quantize_block, orchestrator.mv_module_from_gpu
 
     def spy(self, *args, **kwargs):
-        seen.append(deterministic.fill_uninitialized_memory)
+        tuning.append(deterministic.fill_uninitialized_memory)
         return original(self, *args, **kwargs)
 
+    def spy_move(module):
+        moving.append(deterministic.fill_uninitialized_memory)
+        return original_move(module)
+
     monkeypatch.setattr(SignRoundQuantizer, "quantize_block", spy)
+    monkeypatch.setattr(orchestrator, "mv_module_from_gpu", spy_move)
     before = deterministic.fill_uninitialized_memory
     modifier = DataParallelAutoRoundModifier(iters=2, nan_fill_new_tensors=nan_fill, **AUTOROUND_ARGS)
     oneshot(model=str(save_tiny_model("moe", tmp_path / "model")), dataset=calibration_data(8, 16),
             recipe=modifier, num_calibration_samples=8, max_seq_length=16)
-    assert seen and all(value is nan_fill for value in seen)
+    assert tuning and all(value is nan_fill for value in tuning)
+    assert moving and all(value == before for value in moving)
     assert deterministic.fill_uninitialized_memory == before

@@ -64,13 +64,9 @@ class ForeachSignSGD(SignSGD):
         return loss
 
 
-def use_foreach_sign_sgd(autoround: Any) -> bool:
-    """Hand the block quantizer of an `AutoRound` compressor `ForeachSignSGD`.
-
-    Call right before `quantize_block`: the quantizer is built by the compressor's
-    `post_init`, which `quantize_block` runs first (idempotent), so it runs here.
-    Only where it would build auto-round's own SignSGD; returns whether it was set.
-    """
+def block_quantizers(autoround: Any) -> list[Any]:
+    """The block quantizers of an `AutoRound` compressor (built by its `post_init`,
+    which `quantize_block` runs first and which is idempotent, so it runs here)."""
     post_init = getattr(autoround, "post_init", None)
     if callable(post_init):
         post_init()
@@ -78,8 +74,17 @@ def use_foreach_sign_sgd(autoround: Any) -> bool:
     quantizers = getattr(composer, "block_quantizer", None)
     if not isinstance(quantizers, (list, tuple)):
         quantizers = [quantizers]
+    return [quantizer for quantizer in quantizers if quantizer is not None]
+
+
+def use_foreach_sign_sgd(autoround: Any) -> bool:
+    """Hand the block quantizer of an `AutoRound` compressor `ForeachSignSGD`.
+
+    Call right before `quantize_block`. Only where it would build auto-round's own
+    SignSGD; returns whether it was set.
+    """
     changed = False
-    for quantizer in quantizers:
+    for quantizer in block_quantizers(autoround):
         if getattr(quantizer, "optimizer", None) is SignSGD:
             quantizer.optimizer = ForeachSignSGD
             changed = True
