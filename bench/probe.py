@@ -17,6 +17,8 @@ of the second decoder layer (no synchronisation inside): per GPU, the seconds it
 idle gaps, its top kernels; per host thread, the busy seconds of its top-level ops; then
 one middle iteration: each GPU's busy share in 5 ms bins and the calling thread's long ops.
 Says whether an iteration waits on a GPU or on the host. The trace goes to --out, gzipped.
+`autoround-call-parts`: the host milliseconds of each piece of a fanned-out call's
+preparation (replica sync, plan and module checks, hooks, copies), per call.
 `expert-split-bits`: whether cutting a layer's experts into ranges, one per GPU, keeps
 every bit: the all-token weight-gradient bmm of each range against the whole bmm's
 rows, and auto-round's int qdq (forward, and the gradients of value, min_scale and
@@ -33,6 +35,7 @@ of the Hessian factorisation alone, and of the halves run at once from two threa
     python bench/probe.py autoround-host --shape qwen3-30b-a3b --gpus 1 --iters 50 --out bench/out
     python bench/probe.py autoround-capture --shape qwen3-30b-a3b --gpus 1 --iters 2 --out bench/out
     python bench/probe.py autoround-timeline --shape qwen3-30b-a3b --gpus 2 --iters 20 --out bench/out
+    python bench/probe.py autoround-call-parts --shape tiny-moe-128 --gpus 2 --iters 50 --samples 16 --seq-len 64
     python bench/probe.py expert-split-bits --gpus 2
     python bench/probe.py gptq-updates --shape llama3-8b --gpus 2 --samples 16 --out bench/out
     python bench/probe.py gptq-update-variants --shape qwen3-235b-a22b --gpus 2 --samples 16
@@ -285,6 +288,63 @@ def autoround_timeline(args: argparse.Namespace, work: Path, out: Path) -> None:
     with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as packed:
         shutil.copyfileobj(raw, packed)
     trace.unlink()
+
+
+def autoround_call_parts(args: argparse.Namespace, work: Path, out: Path) -> None:
+    """Host seconds of each piece of a fanned-out call's preparation, per call, over a
+    whole run (plan builds included): what runs in the calling thread before the
+    workers start, on the iteration's critical path. Meaningful on a CPU too (shape
+    tiny-moe-128), since these pieces are host work."""
+    import functools
+
+    import llmcompressor_parallel.engine.exact_weight_grads as exact_grads
+    import llmcompressor_parallel.engine.fan_out as fan_out
+    import llmcompressor_parallel.engine.grouped_autoround as grouped
+    import llmcompressor_parallel.engine.replicate as replicate
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    pieces = [
+        (fan_out.FanOut, "_call", "FanOut._call (everything)"),
+        (fan_out, "foreign_hooks", "hooks inside the layer"),
+        (replicate.ReplicaSet, "sync", "ReplicaSet.sync"),
+        (replicate.ReplicaSet, "_current_structure", "  its structure walk"),
+        (fan_out, "_participants", "participants lookup"),
+        (grouped.GroupedAutoRoundExperts, "prepare_fan_out", "grouped experts' preparation"),
+        (grouped._Site, "plan_for", "  plan checks (plan_for)"),
+        (grouped, "_module_reason", "  module checks (_module_reason)"),
+        (grouped.GroupedAutoRoundExperts, "_split_by_experts", "  experts' qdq by range (device work)"),
+        (exact_grads.ExactWeightGradients, "prepare_fan_out", "exact gradients' preparation"),
+        (replicate.ReplicaSet, "install_trainable_copies", "trainable copies"),
+    ]
+
+    def timing(owner: Any, name: str, label: str) -> Callable[[Callable], Callable]:
+        def make(real: Callable) -> Callable:
+            @functools.wraps(real)
+            def timed(*call_args: Any, **call_kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return real(*call_args, **call_kwargs)
+                finally:
+                    seconds[label] += time.perf_counter() - start
+                    calls[label] += 1
+            return staticmethod(timed) if isinstance(vars(owner).get(name), staticmethod) else timed
+        return make
+
+    model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
+    recipe = DataParallelAutoRoundModifier(
+        data_parallel=_devices(args.gpus), iters=args.iters, batch_size=8, enable_torch_compile=False,
+        **COMMON,
+    )
+    with contextlib.ExitStack() as stack:
+        for owner, name, label in pieces:
+            stack.enter_context(patched(owner, name, timing(owner, name, label)))
+        oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
+                recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len)
+    total = calls["FanOut._call (everything)"]
+    print(f"autoround-call-parts: {total} fanned-out calls, {args.shape}, {args.gpus} devices; ms per call:")
+    for _, _, label in pieces:
+        print(f"  {label:42s} {seconds[label] / max(total, 1) * 1e3:8.2f}  ({calls[label]} calls)")
 
 
 def _union_seconds(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
@@ -601,7 +661,8 @@ def main() -> None:
     parser.add_argument(
         "probe",
         choices=["gptq-pass", "autoround-profile", "autoround-host", "autoround-capture",
-                 "autoround-timeline", "expert-split-bits", "gptq-updates", "gptq-update-variants",
+                 "autoround-timeline", "autoround-call-parts", "expert-split-bits", "gptq-updates",
+                 "gptq-update-variants",
                  "gptq-rowsplit"],
     )
     parser.add_argument("--shape", default="llama3-8b")
@@ -624,6 +685,8 @@ def main() -> None:
         autoround_window(args, work, out)
     elif args.probe == "autoround-timeline":
         autoround_timeline(args, work, out)
+    elif args.probe == "autoround-call-parts":
+        autoround_call_parts(args, work, out)
     elif args.probe == "expert-split-bits":
         expert_split_bits(args, work, out)
     elif args.probe == "gptq-updates":

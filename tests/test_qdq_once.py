@@ -251,3 +251,35 @@ def test_oneshot_two_cpu_replicas_qdq_once_vs_per_replica(tmp_path, monkeypatch)
     total_once = sum(best for _, best in once_losses)
     total_per_replica = sum(best for _, best in per_replica_losses)
     assert total_once <= 1.1 * total_per_replica
+
+
+def test_plans_are_checked_once_per_fanned_call_and_forgotten_after(pool, monkeypatch):
+    """Within one fanned-out call each experts module's plan is checked once (the
+    preparation and the parts' forwards reuse it); after the call, and after a call
+    that ran serially, nothing is remembered: the next call checks again and sees an
+    in-place write to a wrapped weight made in between."""
+    refreshes: list[int] = []
+    refresh = grouped_autoround._Plan.refresh_if_changed
+
+    def counted(self):
+        refreshes.append(id(self.module))
+        return refresh(self)
+
+    monkeypatch.setattr(grouped_autoround._Plan, "refresh_if_changed", counted)
+    block = wrapped_block()
+    x = inputs(batch=4)
+    with GroupedAutoRoundExperts(block, "block") as grouped, FanOut(block, pool, "block") as fan_out:
+        block(x).float().sum().backward()  # builds the plans
+        refreshes.clear()
+        block(x).float().sum().backward()
+        assert fan_out.parallel_calls == 2 and grouped.shipped_calls == 2
+        assert len(refreshes) == len(set(refreshes)) == 2, "home and replica, once each"
+        assert grouped.call_plans is None
+        wrapper = next(m for m in block.modules() if isinstance(m, WrapperLinear))
+        stacks = grouped._sites[0].plan_for(grouped._sites[0].home).runner.gate_up_qdq.weight
+        with torch.no_grad():
+            wrapper.orig_layer.weight.mul_(2)  # an in-place write between two calls
+        block(x).float().sum().backward()
+        rebuilt = grouped._sites[0].plan_for(grouped._sites[0].home).runner.gate_up_qdq.weight
+        assert rebuilt is not stacks, "the write between the calls was not seen"
+        assert grouped.call_plans is None

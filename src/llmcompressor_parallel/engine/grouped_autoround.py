@@ -230,9 +230,14 @@ def _build_plan(
 
 def _call_reason(plan: _Plan, hidden_states: torch.Tensor) -> str | None:
     """Why this call must take the stock loop although the module can run grouped."""
+    return _input_reason(hidden_states) or _module_reason(plan, hidden_states.device.type)
+
+
+def _input_reason(hidden_states: torch.Tensor) -> str | None:
+    """The part of `_call_reason` that depends on the input alone."""
     if hidden_states.dim() != 2:
         return f"hidden_states has {hidden_states.dim()} dims, not [tokens, hidden]"
-    return _module_reason(plan, hidden_states.device.type)
+    return None
 
 
 def _module_reason(plan: _Plan, device_type: str) -> str | None:
@@ -305,7 +310,17 @@ class _Site:
         return types.MethodType(type(experts).forward, experts)
 
     def plan_for(self, experts: LinearExperts2D, shipped: bool = False) -> _Plan:
-        """`experts`' plan; `shipped`: a replica's that runs qdq rows shipped from the home."""
+        """`experts`' plan; `shipped`: a replica's that runs qdq rows shipped from the home.
+
+        Checked once per fanned-out call (`GroupedAutoRoundExperts.call_plans`): between
+        the call's preparation and its end nothing rewires or rewrites the experts, and
+        the plan is asked for up to five times a call (host time on the iteration's
+        critical path)."""
+        checked = self.owner.call_plans
+        if checked is not None:
+            plan = checked.get((id(experts), shipped))
+            if plan is not None:
+                return plan
         key = _plan_key(projections(experts), shipped)
         plan = experts.__dict__.get(_PLAN_ATTR)
         if plan is None or plan.module is not experts or plan.key != key:
@@ -314,6 +329,8 @@ class _Site:
             experts.__dict__[_PLAN_ATTR] = plan
         elif plan.runner is not None:
             plan.refresh_if_changed()
+        if checked is not None:
+            checked[(id(experts), shipped)] = plan
         return plan
 
     def choose_tokens(self, plan: _Plan, hidden_states: torch.Tensor) -> None:
@@ -364,7 +381,12 @@ class _Site:
             )
         self.top_k = top_k_index.shape[-1]
         plan = self.plan_for(experts, shipped=rows is not None and experts is not self.home)
-        reason = plan.reason if plan.runner is None else _call_reason(plan, hidden_states)
+        if plan.runner is None:
+            reason = plan.reason
+        elif rows is not None:  # the call's preparation checked this module just before
+            reason = _input_reason(hidden_states)
+        else:
+            reason = _call_reason(plan, hidden_states)
         if reason is not None and rows is not None and experts is not self.home:
             # never the stock loop here: a replica holds no tuning parameters (the home
             # does, and takes the stock loop as usual)
@@ -453,6 +475,9 @@ class GroupedAutoRoundExperts:
         self._sites: list[_Site] = []
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        # during a fanned-out call that ships qdq rows (from `prepare_fan_out` to its
+        # shipment's `finish`): the plans checked in it, by (id(module), shipped)
+        self.call_plans: dict[tuple[int, bool], _Plan] | None = None
 
     def __enter__(self) -> "GroupedAutoRoundExperts":
         for module_name, module in self.layer.named_modules():
@@ -508,6 +533,19 @@ class GroupedAutoRoundExperts:
         which home tensors the fan-out must not copy to the replicas, or None when
         nothing is shipped.
         """
+        self.call_plans = {}
+        try:
+            shipment = self._prepare(replicas, parts, primary)
+        except BaseException:
+            self.call_plans = None
+            raise
+        if shipment is None:
+            self.call_plans = None
+        return shipment
+
+    def _prepare(
+        self, replicas: ReplicaSet, parts: int, primary: torch.Tensor
+    ) -> "_Shipment | None":
         work = []
         for site in self._sites:
             modules = replicas.counterparts(site.home, parts)
@@ -666,6 +704,7 @@ class _Shipment:
         for site in self.sites:
             site.shipped = None
         self.sites = []
+        self.owner.call_plans = None
 
 
 def _assembled(pieces: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
