@@ -20,8 +20,6 @@ def test_the_setting_is_off_inside_and_restored_after_an_error():
             assert deterministic.fill_uninitialized_memory is False
             raise ValueError("inside")
     assert deterministic.fill_uninitialized_memory == before
-    with skipping_uninitialized_fill(skip=False):
-        assert deterministic.fill_uninitialized_memory == before
 
 
 def test_new_tensors_stay_unfilled_inside():

@@ -30,11 +30,9 @@ __all__ = ["skip_fill_while_tuning", "skipping_uninitialized_fill"]
 
 
 @contextlib.contextmanager
-def skipping_uninitialized_fill(skip: bool = True) -> Iterator[None]:
-    """New tensors stay unfilled inside (where `skip`); the setting is restored on exit."""
-    if not skip:
-        yield
-        return
+def skipping_uninitialized_fill() -> Iterator[None]:
+    """New tensors stay unfilled inside; the setting is restored on exit. It is
+    process-wide: tensors other threads allocate meanwhile stay unfilled too."""
     settings = torch.utils.deterministic
     previous = settings.fill_uninitialized_memory
     settings.fill_uninitialized_memory = False

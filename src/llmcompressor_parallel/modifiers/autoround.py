@@ -173,7 +173,7 @@ class DataParallelAutoRoundModifier(AutoRoundModifier, DataParallelOptions):
         mode="before",
     )
     @classmethod
-    def _check_grouped_flags(cls, value: Any, info: Any) -> bool:
+    def _check_flags(cls, value: Any, info: Any) -> bool:
         return check_allowed(info.field_name, value, (True, False))
 
     @field_validator("grouped_expert_tokens", mode="before")
