@@ -656,15 +656,24 @@ def split_row_ranges(rows: int, parts: int, multiple: int = 16) -> list[tuple[in
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+# each probe by name: run(args, work folder, output folder)
+PROBES: dict[str, Callable[[argparse.Namespace, Path, Path], None]] = {
+    "gptq-pass": lambda args, work, out: gptq_pass(args, work),
+    "autoround-profile": lambda args, work, out: autoround_profile(args, work),
+    "autoround-host": autoround_window,
+    "autoround-capture": autoround_window,
+    "autoround-timeline": autoround_timeline,
+    "autoround-call-parts": autoround_call_parts,
+    "expert-split-bits": expert_split_bits,
+    "gptq-updates": gptq_updates,
+    "gptq-update-variants": gptq_update_variants,
+    "gptq-rowsplit": gptq_rowsplit,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "probe",
-        choices=["gptq-pass", "autoround-profile", "autoround-host", "autoround-capture",
-                 "autoround-timeline", "autoround-call-parts", "expert-split-bits", "gptq-updates",
-                 "gptq-update-variants",
-                 "gptq-rowsplit"],
-    )
+    parser.add_argument("probe", choices=list(PROBES))
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--samples", type=int, default=128)
@@ -681,22 +690,7 @@ def main() -> None:
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     out, work = bench_folders(args.out, args.work, prefix="llmc-probe-")
-    if args.probe in ("autoround-host", "autoround-capture"):
-        autoround_window(args, work, out)
-    elif args.probe == "autoround-timeline":
-        autoround_timeline(args, work, out)
-    elif args.probe == "autoround-call-parts":
-        autoround_call_parts(args, work, out)
-    elif args.probe == "expert-split-bits":
-        expert_split_bits(args, work, out)
-    elif args.probe == "gptq-updates":
-        gptq_updates(args, work, out)
-    elif args.probe == "gptq-update-variants":
-        gptq_update_variants(args, work, out)
-    elif args.probe == "gptq-rowsplit":
-        gptq_rowsplit(args, work, out)
-    else:
-        {"gptq-pass": gptq_pass, "autoround-profile": autoround_profile}[args.probe](args, work)
+    PROBES[args.probe](args, work, out)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ class ReplicaSet:
         """What a rebuild depends on, per module of the home tree: its children, its
         parameters (and whether each is trainable), its buffers, the names of its
         tensor attributes. Compared on every fanned-out call, so built flat: names and
-        ids as separate tuples made in C, and `_walk` instead of `modules()`."""
+        ids as separate tuples made in C, and `walk_modules` instead of `modules()`."""
         entries = []
         for module in walk_modules(self.home):
             children, parameters, buffers = module._modules, module._parameters, module._buffers
