@@ -25,7 +25,8 @@ rows, and auto-round's int qdq (forward, and the gradients of value, min_scale a
 max_scale) of each range's stacked rows against the whole stack's.
 `gptq-updates`: the same over the last layer's GPTQ update phase (`compress_modules`).
 `gptq-update-variants`: ours once per scheduling variant of the GPTQ update pool (see
-GPTQ_UPDATE_VARIANTS): each layer's update phase and its jobs' timeline.
+GPTQ_UPDATE_VARIANTS): each layer's update phase, the serial pieces before the pool (Hessian
+merge, qparams gathering), the pool's jobs' timeline and the write-back.
 `gptq-rowsplit`: stock `quantize_weight` on one update batch against the same batch cut
 by rows over the GPUs (same Hessians on each): equal bits? and the seconds of each,
 of the Hessian factorisation alone, and of the halves run at once from two threads.
@@ -51,7 +52,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -518,36 +519,64 @@ def gptq_updates(args: argparse.Namespace, work: Path, out: Path) -> None:
     report()
 
 
+class PoolVariant(NamedTuple):
+    """What a variant of the GPTQ update phase patches back to an earlier session's code."""
+
+    warm_every_layer: bool  # one job warms up in the caller every layer (session 7)
+    default_stream_copies: bool  # inputs from another GPU copied on its default stream (7)
+    shared_write_stream: bool  # the write-back threads copy on the default stream (8)
+    write_threads: int | None = None  # MAX_WRITE_THREADS, None: as committed
+    staged: bool = True  # False: results stay on the GPUs, written as stock writes them (5)
+
+
 GPTQ_UPDATE_VARIANTS = {
-    # name: (warm up with one job in the caller every layer, copy inputs from another
-    #        GPU on its default stream)
-    "session7": (True, True),
-    "warm-once": (False, True),
-    "side-stream-copies": (False, False),
+    "session7": PoolVariant(True, True, True),
+    "session8": PoolVariant(False, False, True),
+    "write-streams": PoolVariant(False, False, False),  # the current code
+    "write-streams-16-threads": PoolVariant(False, False, False, 16),
+    "write-streams-2-threads": PoolVariant(False, False, False, 2),
+    "unstaged": PoolVariant(False, False, False, None, False),
+    "unstaged-2-threads": PoolVariant(False, False, False, 2, False),
 }
 
 
 def gptq_update_variants(args: argparse.Namespace, work: Path, out: Path) -> None:
-    """Ours on the same layers once per variant of the update pool (the current code is
-    "side-stream-copies"; the others patch parts of it back to what they were): each
-    layer's update phase, pool and write-back seconds, and its jobs' timeline."""
+    """Ours on the same layers once per variant of the update phase (the current code is
+    "write-streams"; the others patch parts of it back to what they were, or try a
+    setting): each layer's update phase, pool and write-back seconds, and its jobs'
+    timeline."""
     import llmcompressor_parallel.engine.update_pool as update_pool
+    import llmcompressor_parallel.modifiers.gptq_write_back as write_back
     from torch.utils._pytree import tree_map
 
     model_dir = save_random_model(args.shape, 2, work / f"{args.shape}-2-layers")
     real_run, real_write = parallel_gptq_module.run_update_jobs, parallel_gptq_module.write_batches
     for name in args.variants:
-        warm_every_layer, default_stream_copies = GPTQ_UPDATE_VARIANTS[name]
+        variant = GPTQ_UPDATE_VARIANTS[name]
         layers: list[str] = []
+        serial_ms = collections.defaultdict(float)  # this layer's serial pieces before the pool
+
+        def timed_ms(piece: str) -> Callable[[Callable], Callable]:
+            def make(real: Callable) -> Callable:
+                def timed(*call_args, **call_kwargs):
+                    start = time.perf_counter()
+                    try:
+                        return real(*call_args, **call_kwargs)
+                    finally:
+                        serial_ms[piece] += (time.perf_counter() - start) * 1e3
+                return timed
+            return make
 
         def run(pool, jobs, update, warmed=None):
             start = time.perf_counter()
-            results = real_run(pool, jobs, update, None if warm_every_layer else warmed)
+            results = real_run(pool, jobs, update, None if variant.warm_every_layer else warmed)
             spans = " ".join(
                 f"[{r.place.split()[0][0]}{r.worker if r.worker is not None else ''} "
                 f"{(r.started - start) * 1e3:.0f}-{(r.started + r.seconds - start) * 1e3:.0f}]"
                 for r in results)
-            layers.append(f"pool {(time.perf_counter() - start) * 1e3:.0f} ms, "
+            before = ", ".join(f"{piece} {ms:.0f} ms" for piece, ms in serial_ms.items())
+            serial_ms.clear()
+            layers.append(f"{before}; pool {(time.perf_counter() - start) * 1e3:.0f} ms, "
                           f"jobs {sum(r.seconds for r in results) * 1e3:.0f} ms: {spans}")
             return results
 
@@ -564,8 +593,20 @@ def gptq_update_variants(args: argparse.Namespace, work: Path, out: Path) -> Non
         with contextlib.ExitStack() as stack:
             stack.enter_context(patched(parallel_gptq_module, "run_update_jobs", lambda _real: run))
             stack.enter_context(patched(parallel_gptq_module, "write_batches", lambda _real: write))
-            if default_stream_copies:
+            stack.enter_context(patched(ParallelGPTQExpertModifier, "end_parallel_calibration",
+                                        timed_ms("Hessian merge")))
+            stack.enter_context(patched(ParallelGPTQExpertModifier, "_batch_job", timed_ms("gather")))
+            if variant.default_stream_copies:
                 stack.enter_context(patched(update_pool, "_copy_to", lambda _real: plain_copy))
+            if variant.shared_write_stream:
+                stack.enter_context(patched(write_back, "_own_stream",
+                                            lambda _real: lambda device: contextlib.nullcontext()))
+            if not variant.staged:
+                stack.enter_context(patched(parallel_gptq_module, "offloaded_to_host",
+                                            lambda _real: lambda module: False))
+            if variant.write_threads is not None:
+                stack.enter_context(patched(write_back, "MAX_WRITE_THREADS",
+                                            lambda _real: variant.write_threads))
             stack.enter_context(gptq_phases(timer))
             oneshot(model=str(model_dir), dataset=random_tokens(args.samples, args.seq_len),
                     recipe=recipe, num_calibration_samples=args.samples, max_seq_length=args.seq_len,

@@ -49,7 +49,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8).clone()
 
 
-def _quantized_linear(rows: int, columns: int, seed: int) -> nn.Linear:
+def _quantized_linear(rows: int, columns: int, seed: int, onload: str = "cpu") -> nn.Linear:
     """A Linear with GPTQ's qparams, offloaded to CPU as the sequential pipeline does."""
     torch.manual_seed(seed)
     module = nn.Linear(columns, rows, bias=False)  # weight requires grad, as in a model
@@ -59,22 +59,24 @@ def _quantized_linear(rows: int, columns: int, seed: int) -> nn.Linear:
         torch.zeros(rows, groups, dtype=torch.int8), requires_grad=False
     )
     module.weight_global_scale = nn.Parameter(torch.ones(1), requires_grad=False)
-    offload_module(module, onload_device="cpu", offload_device="cpu")
+    offload_module(module, onload_device=onload, offload_device="cpu")
     return module
 
 
-def _layer() -> list[list[nn.Linear]]:
+def _layer(onload: str = "cpu") -> list[list[nn.Linear]]:
     """Three batches as stock forms them: 4 and 3 same-shape modules, and a lone one."""
     shapes = [(32, 64)] * 4 + [(64, 32)] + [(48, 64)] * 3
-    modules = [_quantized_linear(*shape, seed) for seed, shape in enumerate(shapes)]
+    modules = [_quantized_linear(*shape, seed, onload) for seed, shape in enumerate(shapes)]
     return [modules[:4], modules[4:5], modules[5:]]
 
 
-def _results(batch: list[nn.Linear], seed: int) -> BatchWrite:
+def _results(batch: list[nn.Linear], seed: int, place: str = "cpu") -> BatchWrite:
+    """Random results, in host memory ("cpu"), page-locked host memory ("pinned") or
+    on a GPU ("cuda:N")."""
     generator = torch.Generator().manual_seed(seed)
     rows, columns = batch[0].weight.shape
     groups = columns // QUANT_ARGS.group_size
-    return BatchWrite(
+    results = BatchWrite(
         names=[f"batch{seed}.module{index}" for index in range(len(batch))],
         modules=batch,
         quantized=torch.randn(len(batch), rows, columns, generator=generator),
@@ -83,6 +85,13 @@ def _results(batch: list[nn.Linear], seed: int) -> BatchWrite:
         global_scales=torch.rand(len(batch), generator=generator),
         quant_args=QUANT_ARGS,
     )
+    if place == "cpu":
+        return results
+    move = (lambda t: t.pin_memory()) if place == "pinned" else (lambda t: t.to(place))
+    return results._replace(**{
+        field: move(getattr(results, field))
+        for field in ("quantized", "scales", "zero_points", "global_scales")
+    })
 
 
 @pytest.fixture
@@ -127,15 +136,15 @@ def _writer_threads(monkeypatch) -> Iterator[list[str]]:
     yield threads
 
 
-def _write_layer(concurrent: bool) -> dict[str, torch.Tensor]:
-    batches = _layer()
+def _write_layer(concurrent: bool, onload: str = "cpu", results: str = "cpu") -> dict[str, torch.Tensor]:
+    batches = _layer(onload)
     with torch.no_grad(), disable_offloading():
         for batch in batches:  # onloaded and kept, as after the calibration forwards
             for module in batch:
                 for name in QPARAMS:
                     getattr(module, name)
         before = _written(batches)
-        write_batches([_results(batch, seed) for seed, batch in enumerate(batches)], concurrent)
+        write_batches([_results(batch, seed, results) for seed, batch in enumerate(batches)], concurrent)
         after = _written(batches)
     assert all(not torch.equal(before[name], after[name]) for name in before if "weight." in name)
     return after
@@ -155,6 +164,21 @@ def test_threads_write_the_serial_bits_offloaded_and_onloaded(onload_copies, mon
     assert len(threads) == 8 and all(name.startswith("llmc-parallel-write-back") for name in threads)
     assert len(set(threads)) == 3, "every copy thread should have written modules"
     assert live_worker_threads() == []
+
+
+@pytest.mark.gpu  # skipped by conftest.py without 2 GPUs
+@pytest.mark.parametrize("results", ["pinned", "cuda:0", "cuda:1"])
+def test_threads_write_the_serial_bits_into_onloaded_tensors_on_a_gpu(results, monkeypatch):
+    """Copy threads write on streams of their own: from page-locked memory (blocking
+    copies), and from GPU results (asynchronous, waited for before they return)."""
+    serial = _write_layer(concurrent=False, onload="cuda:0", results=results)
+    monkeypatch.setattr(write_back, "MAX_WRITE_THREADS", 3)
+    monkeypatch.setattr(write_back.os, "cpu_count", lambda: 16)
+    with _writer_threads(monkeypatch) as threads:
+        concurrent = _write_layer(concurrent=True, onload="cuda:0", results=results)
+    differ = [name for name in serial if not torch.equal(serial[name], concurrent[name])]
+    assert not differ, f"concurrent write-back differs from the serial one: {differ}"
+    assert len(set(threads)) == 3
 
 
 def test_oneshot_concurrent_write_back_equals_serial(model_dirs, tmp_path, monkeypatch):

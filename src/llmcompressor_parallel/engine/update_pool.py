@@ -39,6 +39,7 @@ import torch
 from loguru import logger
 from torch.utils._pytree import tree_flatten, tree_map
 
+from llmcompressor_parallel.engine.side_streams import side_stream
 from llmcompressor_parallel.engine.thread_context import ThreadContext
 from llmcompressor_parallel.engine.worker_pool import DeviceWorkerPool
 
@@ -284,26 +285,13 @@ def _copy_to(tree: Any, device: torch.device, context: _CallerState) -> Any:
         source = value.device
         if source.type != "cuda" or device.type != "cuda" or source.index not in context.inputs_ready:
             return value.to(device)
-        stream = _copy_stream(source)
+        stream = side_stream(source)
         stream.wait_event(context.inputs_ready[source.index])
         with torch.cuda.stream(stream):
             copied = value.to(device)
         return copied
 
     return tree_map(copy, tree)
-
-
-_COPY_STREAMS = threading.local()
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's own stream on `device`, for copies out of it (kept for the thread's life)."""
-    streams = getattr(_COPY_STREAMS, "streams", None)
-    if streams is None:
-        streams = _COPY_STREAMS.streams = {}
-    if device.index not in streams:
-        streams[device.index] = torch.cuda.Stream(device)
-    return streams[device.index]
 
 
 @contextlib.contextmanager

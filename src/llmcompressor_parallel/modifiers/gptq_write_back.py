@@ -24,6 +24,9 @@ Why that is safe (compressed-tensors' offload caches, as installed):
 - `CPUCache` and `DeviceCache` writes are `copy_` into tensors of that module (or, on
   a shape change, a new offload into its own instance): nothing shared.
 
+Each copy thread queues its copies to a GPU on a stream of its own (`_own_stream`), and
+waits for it before it finishes.
+
 Written serially in the calling thread, exactly as before: under torch.distributed
 (stock's DDP flow stays as it is; the distributed caches' `offload` runs collectives,
 which must not be issued from several threads in an order that differs between
@@ -58,6 +61,7 @@ from torch import nn
 
 from llmcompressor.modifiers.gptq.helpers import update_batch_qparams
 
+from llmcompressor_parallel.engine.side_streams import side_stream
 from llmcompressor_parallel.engine.thread_context import ThreadContext
 
 __all__ = [
@@ -200,7 +204,7 @@ def _writer(
     """One thread's job: its modules in stock's order, until any thread has failed."""
 
     def write() -> None:
-        with context.applied(), _cuda_device(device):
+        with context.applied(), _cuda_device(device), _own_stream(device):
             for batch, index in share:
                 if failed.is_set():
                     return
@@ -224,6 +228,30 @@ def _current_cuda_device() -> int | None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()
     return None
+
+
+@contextlib.contextmanager
+def _own_stream(device: int | None) -> Iterator[None]:
+    """The copy thread's writes on a stream of its own on `device`, waited for at the end.
+
+    Why: stock copies each result into the onloaded tensor with a blocking copy on
+    the device's current stream. On the default stream, which every copy thread
+    shares, each thread's blocking copy waits for all the copies the other threads
+    queued before it; on its own stream it waits for its own. The stream first waits
+    for the work the default stream holds, and the thread waits for its stream before
+    it finishes: writes from device results are asynchronous, and the results may be
+    freed, and the weights read on the default stream, once the write-back returns.
+    """
+    if device is None:
+        yield
+        return
+    stream = side_stream(torch.device("cuda", device))
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 @contextlib.contextmanager
