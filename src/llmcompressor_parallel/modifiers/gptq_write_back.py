@@ -47,7 +47,6 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -167,21 +166,44 @@ def write_threads(modules: int) -> int:
 
 
 def _write_concurrently(batches: Sequence[BatchWrite]) -> int:
-    """Modules dealt out over short-lived copy threads (all joined before returning);
-    returns how many threads wrote. The first failure is raised after every thread
-    has stopped."""
+    """Modules dealt out over short-lived copy threads, one per share (all joined before
+    returning); returns how many threads wrote. The first failure is raised after every
+    thread has stopped."""
     items = [(batch, index) for batch in batches for index in range(len(batch.modules))]
     shares = [share for share in _deal(items, write_threads(len(items))) if share]
     context = ThreadContext.capture()
     device = _current_cuda_device()
     failed = threading.Event()
-    with ThreadPoolExecutor(len(shares), thread_name_prefix=WRITE_THREAD_PREFIX) as threads:
-        futures = [threads.submit(_writer(share, context, device, failed)) for share in shares]
-        wait(futures)
-    for error in (future.exception() for future in futures):
-        if error is not None:
-            raise error
-    return len(shares)
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(
+            target=_writer(share, context, device, failed, errors),
+            name=f"{WRITE_THREAD_PREFIX}_{number}",
+        )
+        for number, share in enumerate(shares)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+    finally:
+        _join_all(threads, failed)
+    if errors:
+        raise errors[0]
+    return len(threads)
+
+
+def _join_all(threads: Sequence[threading.Thread], failed: threading.Event) -> None:
+    """Wait for every started thread; an interrupt while waiting stops them before their
+    next module, waits for them all the same, and is then re-raised."""
+    started = [thread for thread in threads if thread.ident is not None]
+    try:
+        for thread in started:
+            thread.join()
+    except BaseException:
+        failed.set()
+        for thread in started:
+            thread.join()
+        raise
 
 
 def _deal(items: list[_Item], threads: int) -> list[list[_Item]]:
@@ -200,19 +222,24 @@ def _writer(
     context: ThreadContext,
     device: int | None,
     failed: threading.Event,
+    errors: list[BaseException],
 ) -> Callable[[], None]:
-    """One thread's job: its modules in stock's order, until any thread has failed."""
+    """One thread's job: its modules in stock's order, until any thread has failed; its
+    failure goes to `errors` (in the order the threads failed) and stops the others."""
 
     def write() -> None:
-        with context.applied(), _cuda_device(device), _own_stream(device):
-            for batch, index in share:
-                if failed.is_set():
-                    return
-                try:
-                    batch.write_one(index)
-                except BaseException as error:
-                    failed.set()
-                    raise WriteBackError(batch.names[index], error) from error
+        try:
+            with context.applied(), _cuda_device(device), _own_stream(device):
+                for batch, index in share:
+                    if failed.is_set():
+                        return
+                    try:
+                        batch.write_one(index)
+                    except BaseException as error:
+                        raise WriteBackError(batch.names[index], error) from error
+        except BaseException as error:
+            failed.set()
+            errors.append(error)
 
     return write
 
