@@ -1,10 +1,10 @@
 """This thread's own CUDA stream on a device, for copies that must not queue behind its default stream.
 
 Why: a copy queued on a device's default (current) stream runs after everything any
-thread queued there before it, such as another worker's update job on that GPU. The
-update pool's input copies and its workers' staging copies to host memory run on a
-stream of their own instead, ordered after the work they need by an explicit event or
-`wait_stream`. One stream per thread and device, kept for the thread's life, so the
+thread queued there before it, such as another worker's update job on that GPU, or
+another write-back thread's blocking copy. The update pool's input copies and the GPTQ
+write-back threads' copies to the GPU run on a stream of their own instead, ordered
+after the work they need by an explicit event or `wait_stream`. One stream per thread and device, kept for the thread's life, so the
 copies one thread queues stay in the order it queued them. The streams come from torch's
 per-device stream pool (`torch.cuda.Stream`), so short-lived threads (the GPTQ write-back's)
 create no new CUDA streams.
